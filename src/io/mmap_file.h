@@ -1,0 +1,35 @@
+// A read-only memory mapping of a whole file; weights are used in place from it.
+#pragma once
+#include <cstddef>
+#include <cstdint>
+#include <string>
+
+namespace dsv3 {
+
+class MmapFile {
+ public:
+  explicit MmapFile(const std::string& path);  // throws Error naming the path
+  ~MmapFile();
+  MmapFile(const MmapFile&) = delete;
+  MmapFile& operator=(const MmapFile&) = delete;
+
+  const uint8_t* data() const { return data_; }
+  size_t size() const { return size_; }
+  const std::string& path() const { return path_; }
+  // Pins the pages in RAM (mlock); returns false (with errno intact) when not permitted.
+  bool lock();
+
+ private:
+  std::string path_;
+  const uint8_t* data_ = nullptr;
+  size_t size_ = 0;
+};
+
+// Reads a whole (small) file into a string; throws Error naming the path.
+std::string read_text_file(const std::string& path);
+bool file_exists(const std::string& path);
+
+// Writes `bytes` to path atomically: a temporary file in the same folder, fsync, then rename.
+void write_file_atomic(const std::string& path, const std::string& bytes);
+
+}  // namespace dsv3
