@@ -1,6 +1,8 @@
 #include "model/config.h"
 
+#include <algorithm>
 #include <cmath>
+#include <cstdint>
 #include <nlohmann/json.hpp>
 
 #include "core/error.h"
@@ -13,7 +15,7 @@ using json = nlohmann::json;
 float ModelArgs::softmax_scale() const {
   float s = 1.f / std::sqrt(float(qk_head_dim()));
   if (yarn) {
-    float m = 0.1f * mscale * std::log(rope_factor) + 1.f;
+    float m = 0.1f * mscale_all_dim * std::log(rope_factor) + 1.f;  // HF: mscale_all_dim; reference: mscale (equal in every real config)
     s *= m * m;
   }
   return s;
@@ -36,8 +38,12 @@ void ModelArgs::validate(const std::string& what) const {
   need(moe_layer_freq > 0, "moe_layer_freq must be positive");
   need(rms_norm_eps > 0, "rms_norm_eps must be positive");
   need(rope_theta > 1, "rope_theta must be > 1");
-  bool any_dense = false, any_moe = false;
-  for (int i = 0; i < n_layers; ++i) (is_moe_layer(i) ? any_moe : any_dense) = true;
+  // Which kinds of layer exist, without walking up to 2^31 layers: MoE layers are the multiples
+  // of moe_layer_freq in [max(n_dense_layers, 0), n_layers) (is_moe_layer), the rest are dense.
+  const int64_t first = std::max<int64_t>(n_dense_layers, 0);
+  const int64_t first_moe = (first + moe_layer_freq - 1) / moe_layer_freq * moe_layer_freq;
+  const bool any_moe = n_routed_experts > 0 && first_moe < n_layers;
+  const bool any_dense = !any_moe || first > 0 || (moe_layer_freq > 1 && n_layers > 1);
   if (any_dense) need(inter_dim > 0, "intermediate_size must be positive");
   if (any_moe) {
     need(moe_inter_dim > 0, "moe_intermediate_size must be positive");
@@ -70,6 +76,18 @@ void ModelArgs::validate(const std::string& what) const {
 
 namespace {
 
+// A value for an error message; nested ones by type only (dump() recurses once per level).
+std::string show(const json& v) { return v.is_structured() ? std::string("an ") + v.type_name() : v.dump(); }
+
+// An int field's value; unsigned JSON numbers above INT64_MAX must not wrap around.
+int to_int(const json& v, const std::string& what, const char* k) {
+  if (!v.is_number_integer()) fail(what, ": field '", k, "' must be an integer, got ", show(v));
+  if (v.is_number_unsigned() ? v.get<uint64_t>() > uint64_t(INT32_MAX)
+                             : (v.get<int64_t>() < INT32_MIN || v.get<int64_t>() > INT32_MAX))
+    fail(what, ": field '", k, "' out of range: ", v.dump());
+  return int(v.get<int64_t>());
+}
+
 struct Reader {
   const json& j;
   const std::string& what;
@@ -83,19 +101,16 @@ struct Reader {
   T num_or(const char* k, T dflt) const {
     if (!has(k)) return dflt;
     const json& v = j[k];
-    if (!v.is_number()) fail(what, ": field '", k, "' must be a number, got ", v.dump());
+    if (!v.is_number()) fail(what, ": field '", k, "' must be a number, got ", show(v));
     if constexpr (std::is_integral_v<T>) {
-      if (!v.is_number_integer()) fail(what, ": field '", k, "' must be an integer, got ", v.dump());
-      int64_t x = v.get<int64_t>();
-      if (x < -(int64_t(1) << 31) || x >= (int64_t(1) << 31)) fail(what, ": field '", k, "' out of range");
-      return T(x);
+      return T(to_int(v, what, k));
     } else {
       return T(v.get<double>());
     }
   }
   std::string s_or(const char* k, const std::string& dflt) const {
     if (!has(k)) return dflt;
-    if (!j[k].is_string()) fail(what, ": field '", k, "' must be a string, got ", j[k].dump());
+    if (!j[k].is_string()) fail(what, ": field '", k, "' must be a string, got ", show(j[k]));
     return j[k].get<std::string>();
   }
   bool b_or(const char* k, bool dflt) const {
@@ -107,9 +122,7 @@ struct Reader {
 
 int first_int(const json& v, const std::string& what, const char* k) {
   // eos_token_id may be a list in some configs: take the first.
-  if (v.is_array() && !v.empty()) return first_int(v[0], what, k);
-  if (!v.is_number_integer()) fail(what, ": field '", k, "' must be an integer");
-  return v.get<int>();
+  return to_int(v.is_array() && !v.empty() ? v[0] : v, what, k);
 }
 
 ModelArgs from_hf(const json& j, const std::string& what) {
@@ -168,10 +181,10 @@ ModelArgs from_hf(const json& j, const std::string& what) {
     a.scale_fmt = q.s_or("scale_fmt", "");
     if (qc.contains("weight_block_size")) {
       const json& b = qc["weight_block_size"];
-      if (!b.is_array() || b.size() != 2 || !b[0].is_number_integer() || !b[1].is_number_integer() ||
-          b[0].get<int>() != b[1].get<int>())
+      if (!b.is_array() || b.size() != 2 || to_int(b[0], what, "weight_block_size") !=
+                                                  to_int(b[1], what, "weight_block_size"))
         fail(what, ": quantization_config.weight_block_size must be [n, n]");
-      a.weight_block_size = b[0].get<int>();
+      a.weight_block_size = to_int(b[0], what, "weight_block_size");
     }
   }
   return a;

@@ -1,0 +1,76 @@
+// The op interface every backend implements (ref/: scalar float32, the oracle; cpu/: SIMD;
+// cuda/: GPU). Activation buffers are float32, row-major, in the backend's memory (host for
+// CPU backends, device for CUDA); weights are the views of ModelWeights after prepare_weights.
+// The forward loop (model/model.cc) calls only these.
+#pragma once
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include "model/config.h"
+#include "model/weights.h"
+
+namespace dsv3 {
+
+class RopeTable;
+
+// Where each token of a batch sits: its cache slot and position. Host memory.
+struct TokenPos {
+  int32_t slot;  // KV cache row
+  int32_t pos;   // position in that row; attends to [0, pos] of the slot
+};
+
+// One layer's latent cache (absorbed MLA) or full K/V cache (naive MLA), float32.
+struct LayerCache {
+  float* kv = nullptr;  // absorbed: [slots, max_len, kv_lora_rank] (kv_norm(latent))
+  float* pe = nullptr;  // absorbed: [slots, max_len, qk_rope_head_dim] (roped key)
+  float* k = nullptr;   // naive: [slots, max_len, n_heads, qk_head_dim]
+  float* v = nullptr;   // naive: [slots, max_len, n_heads, v_head_dim]
+};
+
+enum class AttnImpl { kAbsorb, kNaive };
+
+class Backend {
+ public:
+  virtual ~Backend() = default;
+  virtual std::string name() const = 0;
+
+  // Memory in the backend's space (zeroed).
+  virtual float* alloc(size_t n_floats) = 0;
+  virtual void release(float* p) = 0;
+  virtual void upload(float* dst, const float* host, size_t n) = 0;
+  virtual void download(float* host, const float* src, size_t n) = 0;
+  // Called once after loading; a device backend copies the weights and rewrites the views.
+  virtual void prepare_weights(const ModelArgs& args, ModelWeights& w) {}
+
+  // y[n, dim] = table[tokens[i]] (tokens in host memory, already range-checked).
+  virtual void embed(const int32_t* tokens, int64_t n, const TensorView& table, float* y) = 0;
+  // y[n, d] = x / rms(x) * w; rows are `stride` floats apart in x and y (y may alias x).
+  virtual void rmsnorm(const float* x, int64_t n, int64_t d, int64_t stride, const TensorView& w, float eps,
+                       float* y) = 0;
+  // y[n, out] = x[n, in] · Wᵀ (FP8 weights dequantised with their block scales).
+  virtual void linear(const float* x, int64_t n, const Linear& w, float* y) = 0;
+  // y[n, d] += x[n, d]
+  virtual void add(float* y, const float* x, int64_t n) = 0;
+
+  // Multi-head latent attention for n tokens after the projections:
+  //   q: [n, n_heads, qk_head_dim] (nope | rope parts, rope NOT yet applied),
+  //   kv: [n, kv_lora_rank + qk_rope_head_dim] = wkv_a(x) (rope NOT yet applied).
+  // Applies RoPE at each token's position, writes the cache at (slot, pos), attends causally
+  // (token at pos sees [0, pos] of its slot) with float32 softmax, and writes
+  // out: [n, n_heads * v_head_dim] (before wo). All tokens of one call must be distinct
+  // (slot, pos) and a slot's earlier positions must already be cached.
+  virtual void mla(const ModelArgs& a, AttnImpl impl, const AttnWeights& w, const RopeTable& rope,
+                   const TokenPos* pos, int64_t n, float* q, float* kv, const LayerCache& cache,
+                   int64_t max_len, float* out) = 0;
+
+  // DeepSeekMoE: y[n, dim] = sum_k weight_k * expert_k(x) + shared_experts(x).
+  virtual void moe(const ModelArgs& a, const MoEWeights& w, const float* x, int64_t n, float* y) = 0;
+  // Dense MLP: y[n, dim] = w2(silu(w1 x) * w3 x).
+  virtual void mlp(const MLPWeights& w, const float* x, int64_t n, float* y) = 0;
+};
+
+// The scalar float32 backend: the oracle (multi-threaded over the global ThreadPool).
+std::unique_ptr<Backend> make_ref_backend();
+
+}  // namespace dsv3

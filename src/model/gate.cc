@@ -1,0 +1,65 @@
+#include "model/gate.h"
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+
+namespace dsv3 {
+
+void route_token(const ModelArgs& a, const float* logits, const float* bias, int32_t* indices, float* weights,
+                 float* scratch) {
+  const int E = a.n_routed_experts, G = a.n_expert_groups, per = E / G, K = a.n_activated_experts;
+  float* scores = scratch;      // [E] unbiased
+  float* choice = scratch + E;  // [E] biased, masked
+  float* gscore = scratch + 2 * E;  // [G]
+  if (a.score_func == "softmax") {
+    float mx = -std::numeric_limits<float>::infinity();
+    for (int e = 0; e < E; ++e) mx = std::max(mx, logits[e]);
+    float sum = 0.f;
+    for (int e = 0; e < E; ++e) sum += (scores[e] = std::exp(logits[e] - mx));
+    for (int e = 0; e < E; ++e) scores[e] /= sum;
+  } else {
+    for (int e = 0; e < E; ++e) scores[e] = 1.f / (1.f + std::exp(-logits[e]));
+  }
+  for (int e = 0; e < E; ++e) choice[e] = bias ? scores[e] + bias[e] : scores[e];
+  // Higher score first; equal scores: lower index first.
+  auto better = [](const float* v) { return [v](int i, int j) { return v[i] > v[j] || (v[i] == v[j] && i < j); }; };
+  if (G > 1) {
+    for (int g = 0; g < G; ++g) {
+      const float* s = choice + g * per;
+      if (!bias) {
+        gscore[g] = *std::max_element(s, s + per);
+      } else {
+        float m1 = -std::numeric_limits<float>::infinity(), m2 = m1;
+        for (int i = 0; i < per; ++i) {
+          if (s[i] > m1) { m2 = m1; m1 = s[i]; }
+          else if (s[i] > m2) m2 = s[i];
+        }
+        gscore[g] = m1 + m2;
+      }
+    }
+    int gidx[1024];
+    int* gi = G <= 1024 ? gidx : new int[size_t(G)];
+    for (int g = 0; g < G; ++g) gi[g] = g;
+    std::partial_sort(gi, gi + a.n_limited_groups, gi + G, better(gscore));
+    for (int r = a.n_limited_groups; r < G; ++r)
+      for (int i = 0; i < per; ++i) choice[gi[r] * per + i] = -std::numeric_limits<float>::infinity();
+    if (gi != gidx) delete[] gi;
+  }
+  // Top-K of the choice scores by a partial selection over indices.
+  int eidx_stack[1024];
+  int* ei = E <= 1024 ? eidx_stack : new int[size_t(E)];
+  for (int e = 0; e < E; ++e) ei[e] = e;
+  std::partial_sort(ei, ei + K, ei + E, better(choice));
+  float sum = 0.f;
+  for (int k = 0; k < K; ++k) {
+    indices[k] = ei[k];
+    weights[k] = scores[ei[k]];
+    sum += weights[k];
+  }
+  if (ei != eidx_stack) delete[] ei;
+  if (a.norm_topk_prob) for (int k = 0; k < K; ++k) weights[k] /= sum;
+  for (int k = 0; k < K; ++k) weights[k] *= a.route_scale;
+}
+
+}  // namespace dsv3

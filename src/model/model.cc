@@ -1,0 +1,117 @@
+#include "model/model.h"
+
+#include <algorithm>
+#include <cstring>
+
+#include "core/error.h"
+
+namespace dsv3 {
+
+Model::Model(std::unique_ptr<Checkpoint> ck, std::unique_ptr<Backend> backend, const ModelOptions& opt)
+    : ck_(std::move(ck)), be_(std::move(backend)), opt_(opt), args_(ck_->args()) {
+  if (opt_.max_len <= 0 || opt_.max_len > args_.max_seq_len) opt_.max_len = args_.max_seq_len;
+  if (opt_.max_slots <= 0) fail("max_slots must be positive");
+  w_ = load_weights(*ck_);
+  be_->prepare_weights(args_, w_);
+  rope_ = RopeTable(args_, opt_.max_len);
+  const int64_t rows = int64_t(opt_.max_slots) * opt_.max_len;
+  cache_.resize(size_t(args_.n_layers));
+  for (auto& c : cache_) {
+    if (opt_.attn == AttnImpl::kAbsorb) {
+      c.kv = be_->alloc(size_t(rows * args_.kv_lora_rank));
+      c.pe = be_->alloc(size_t(rows * args_.qk_rope_head_dim));
+    } else {
+      c.k = be_->alloc(size_t(rows * args_.n_heads * args_.qk_head_dim()));
+      c.v = be_->alloc(size_t(rows * args_.n_heads * args_.v_head_dim));
+    }
+  }
+}
+
+Model::~Model() {
+  for (auto& c : cache_)
+    for (float* p : {c.kv, c.pe, c.k, c.v})
+      if (p) be_->release(p);
+  for (float* p : {h_, x_, q_, qa_, kv_, attn_, y_, last_, logits_})
+    if (p) be_->release(p);
+}
+
+void Model::ensure_workspace(int64_t n) {
+  if (n <= ws_tokens_) return;
+  for (float** p : {&h_, &x_, &q_, &qa_, &kv_, &attn_, &y_, &last_, &logits_})
+    if (*p) be_->release(*p), *p = nullptr;
+  const ModelArgs& a = args_;
+  ws_tokens_ = n;
+  h_ = be_->alloc(size_t(n * a.dim));
+  x_ = be_->alloc(size_t(n * a.dim));
+  q_ = be_->alloc(size_t(n * a.n_heads * a.qk_head_dim()));
+  qa_ = be_->alloc(size_t(n * std::max(a.q_lora_rank, 1)));
+  kv_ = be_->alloc(size_t(n * (a.kv_lora_rank + a.qk_rope_head_dim)));
+  attn_ = be_->alloc(size_t(n * a.n_heads * a.v_head_dim));
+  y_ = be_->alloc(size_t(n * a.dim));
+  last_ = be_->alloc(size_t(n * a.dim));
+  logits_ = be_->alloc(size_t(n * a.vocab_size));
+}
+
+void Model::forward(const int32_t* tokens, int B, int T, int start_pos, float* logits) {
+  if (B <= 0 || T <= 0) fail("forward: empty batch (B=", B, ", T=", T, ")");
+  if (B > opt_.max_slots) fail("forward: batch of ", B, " rows exceeds the cache's ", opt_.max_slots, " slots");
+  if (start_pos < 0) fail("forward: negative start_pos ", start_pos);
+  std::vector<TokenPos> pos(static_cast<size_t>(B) * size_t(T));
+  std::vector<int64_t> last(static_cast<size_t>(B));
+  for (int b = 0; b < B; ++b) {
+    for (int t = 0; t < T; ++t) pos[size_t(b * T + t)] = {b, start_pos + t};
+    last[size_t(b)] = int64_t(b) * T + T - 1;
+  }
+  forward(tokens, pos.data(), int64_t(pos.size()), last, logits);
+}
+
+void Model::forward(const int32_t* tokens, const TokenPos* pos, int64_t n, const std::vector<int64_t>& logit_rows,
+                    float* logits) {
+  const ModelArgs& a = args_;
+  for (int64_t i = 0; i < n; ++i) {
+    if (tokens[i] < 0 || tokens[i] >= a.vocab_size)
+      fail("token id ", tokens[i], " is outside the vocabulary [0, ", a.vocab_size, ")");
+    if (pos[i].pos < 0 || pos[i].pos >= opt_.max_len)
+      fail("position ", pos[i].pos, " is past the maximum sequence length ", opt_.max_len);
+    if (pos[i].slot < 0 || pos[i].slot >= opt_.max_slots)
+      fail("cache slot ", pos[i].slot, " outside [0, ", opt_.max_slots, ")");
+  }
+  for (int64_t r : logit_rows) DSV3_CHECK(r >= 0 && r < n, "logit row ", r, " of ", n);
+  ensure_workspace(n);
+  const int64_t D = a.dim;
+
+  be_->embed(tokens, n, w_.embed, h_);  // h: [n, dim]
+  for (int l = 0; l < a.n_layers; ++l) {
+    const LayerWeights& L = w_.layers[size_t(l)];
+    // x = attn_norm(h); h += wo(MLA(x))
+    be_->rmsnorm(h_, n, D, D, L.attn_norm, a.rms_norm_eps, x_);
+    if (a.q_lora_rank == 0) {
+      be_->linear(x_, n, L.attn.wq, q_);  // q: [n, n_heads * qk_head_dim]
+    } else {
+      be_->linear(x_, n, L.attn.wq_a, qa_);  // [n, q_lora_rank]
+      be_->rmsnorm(qa_, n, a.q_lora_rank, a.q_lora_rank, L.attn.q_norm, a.rms_norm_eps, qa_);
+      be_->linear(qa_, n, L.attn.wq_b, q_);
+    }
+    be_->linear(x_, n, L.attn.wkv_a, kv_);  // kv: [n, kv_lora_rank + qk_rope_head_dim]
+    be_->mla(a, opt_.attn, L.attn, rope_, pos, n, q_, kv_, cache_[size_t(l)], opt_.max_len, attn_);
+    be_->linear(attn_, n, L.attn.wo, y_);  // [n, dim]
+    be_->add(h_, y_, n * D);
+    // x = ffn_norm(h); h += ffn(x)
+    be_->rmsnorm(h_, n, D, D, L.ffn_norm, a.rms_norm_eps, x_);
+    if (L.moe) be_->moe(a, L.moe_w, x_, n, y_);
+    else be_->mlp(L.ffn, x_, n, y_);
+    be_->add(h_, y_, n * D);
+  }
+  // logits = head(norm(h[last])) for the requested rows.
+  const int64_t m = int64_t(logit_rows.size());
+  std::vector<float> host_row(static_cast<size_t>(D));
+  for (int64_t r = 0; r < m; ++r) {  // gather through the host: rows are few
+    be_->download(host_row.data(), h_ + logit_rows[size_t(r)] * D, size_t(D));
+    be_->upload(last_ + r * D, host_row.data(), size_t(D));
+  }
+  be_->rmsnorm(last_, m, D, D, w_.norm, a.rms_norm_eps, last_);
+  be_->linear(last_, m, w_.head, logits_);
+  be_->download(logits, logits_, size_t(m * a.vocab_size));
+}
+
+}  // namespace dsv3

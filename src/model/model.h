@@ -1,0 +1,59 @@
+// The DeepSeek-V3 transformer: the reference's Transformer.forward as one explicit loop over
+// layers, calling Backend ops. Owns the KV cache (slots x max_len) and the activations.
+#pragma once
+#include <memory>
+#include <vector>
+
+#include "backend/backend.h"
+#include "io/checkpoint.h"
+#include "model/rope.h"
+#include "model/weights.h"
+
+namespace dsv3 {
+
+struct ModelOptions {
+  AttnImpl attn = AttnImpl::kAbsorb;
+  int max_slots = 8;    // KV cache rows (concurrent sequences)
+  int max_len = 0;      // positions per row; 0 = the config's max_position_embeddings
+};
+
+class Model {
+ public:
+  Model(std::unique_ptr<Checkpoint> ck, std::unique_ptr<Backend> backend, const ModelOptions& opt);
+  ~Model();
+  Model(const Model&) = delete;
+  Model& operator=(const Model&) = delete;
+
+  const ModelArgs& args() const { return args_; }
+  const ModelWeights& weights() const { return w_; }
+  const Checkpoint& checkpoint() const { return *ck_; }
+  int max_slots() const { return opt_.max_slots; }
+  int max_len() const { return opt_.max_len; }
+
+  // The reference's forward(tokens [B, T], start_pos): rows 0..B-1 write cache slots 0..B-1 at
+  // positions [start_pos, start_pos + T), attend causally, and give the logits of each row's last
+  // new token: logits [B, vocab_size] (host). Errors (not crashes) for ids outside the vocabulary,
+  // positions past max_len, B > max_slots.
+  void forward(const int32_t* tokens, int B, int T, int start_pos, float* logits);
+
+  // General form for continuous batching: n tokens, each with its own (slot, pos); logits of the
+  // tokens listed in `logit_rows` (indices into the n tokens) go to logits [rows, vocab_size].
+  void forward(const int32_t* tokens, const TokenPos* pos, int64_t n, const std::vector<int64_t>& logit_rows,
+               float* logits);
+
+ private:
+  void ensure_workspace(int64_t n);
+  std::unique_ptr<Checkpoint> ck_;
+  std::unique_ptr<Backend> be_;
+  ModelOptions opt_;
+  ModelArgs args_;
+  ModelWeights w_;
+  RopeTable rope_;
+  std::vector<LayerCache> cache_;
+  // Workspace (backend memory), sized for ws_tokens_ tokens.
+  int64_t ws_tokens_ = 0;
+  float *h_ = nullptr, *x_ = nullptr, *q_ = nullptr, *qa_ = nullptr, *kv_ = nullptr, *attn_ = nullptr,
+        *y_ = nullptr, *last_ = nullptr, *logits_ = nullptr;
+};
+
+}  // namespace dsv3

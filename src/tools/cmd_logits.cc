@@ -1,0 +1,116 @@
+// dsv3 logits: replays a file of forward calls (stepNNN.start_pos [1], stepNNN.tokens [B, T])
+// on one model, in order, and writes stepNNN.logits [B, vocab] float32 — how dsv3 is checked
+// against another implementation.
+#include <algorithm>
+#include <cstdio>
+#include <map>
+#include <string>
+
+#include "backend/backend.h"
+#include "core/error.h"
+#include "core/thread_pool.h"
+#include "io/checkpoint.h"
+#include "io/safetensors.h"
+#include "model/model.h"
+#include "tools/command.h"
+
+namespace dsv3 {
+
+AttnImpl parse_attn(const std::string& s) {
+  if (s == "absorb") return AttnImpl::kAbsorb;
+  if (s == "naive") return AttnImpl::kNaive;
+  fail("--attn must be absorb or naive, got '", s, "'");
+}
+
+namespace {
+
+struct Call {
+  std::string prefix;
+  int start_pos = 0, B = 0, T = 0;
+  std::vector<int32_t> tokens;
+};
+
+std::vector<Call> read_calls(const std::string& path) {
+  SafetensorsFile f(path);
+  std::map<int, Call> steps;
+  for (auto& [name, e] : f.entries()) {
+    if (name.rfind("step", 0) != 0) continue;
+    auto dot = name.find('.');
+    std::string num = name.substr(4, dot == std::string::npos ? std::string::npos : dot - 4);
+    if (num.empty() || num.find_first_not_of("0123456789") != std::string::npos || dot == std::string::npos) continue;
+    std::string field = name.substr(dot + 1);
+    Call& c = steps[std::stoi(num)];
+    c.prefix = name.substr(0, dot);
+    TensorView t = f.get(name);
+    if (field == "start_pos") {
+      if (t.numel() != 1 || (t.dtype != DType::I32 && t.dtype != DType::I64))
+        fail(path, ": '", name, "' must be one I32 value");
+      c.start_pos = t.dtype == DType::I32 ? t.as<int32_t>()[0] : int(t.as<int64_t>()[0]);
+      c.B = c.B;  // set with tokens
+    } else if (field == "tokens") {
+      if (t.shape.size() != 2 || (t.dtype != DType::I32 && t.dtype != DType::I64))
+        fail(path, ": '", name, "' must be I32 [B, T], is ", dtype_name(t.dtype), " ", shape_str(t.shape));
+      c.B = int(t.shape[0]);
+      c.T = int(t.shape[1]);
+      c.tokens.resize(size_t(t.numel()));
+      for (int64_t i = 0; i < t.numel(); ++i)
+        c.tokens[size_t(i)] = t.dtype == DType::I32 ? t.as<int32_t>()[i] : int32_t(t.as<int64_t>()[i]);
+    }
+  }
+  std::vector<Call> out;
+  for (auto& [k, c] : steps) {
+    if (c.tokens.empty() && c.B == 0) fail(path, ": ", c.prefix, " has no tokens");
+    if (c.B == 0 || c.T == 0) fail(path, ": ", c.prefix, ".tokens is empty");
+    out.push_back(std::move(c));
+  }
+  if (out.empty()) fail(path, ": no stepNNN.tokens entries");
+  for (auto& c : out)
+    if (!f.has(c.prefix + ".start_pos")) fail(path, ": ", c.prefix, ".start_pos is missing");
+  return out;
+}
+
+int run_logits(int argc, char** argv) {
+  Args args(argc, argv, {"model", "calls", "out", "attn", "config", "threads"});
+  if (args.has("threads")) ThreadPool::set_global_threads(int(args.get_int("threads", 0)));
+  std::vector<Call> calls = read_calls(args.require("calls"));
+  std::string out_path = args.require("out");
+  int slots = 1, len = 1;
+  for (auto& c : calls) {
+    slots = std::max(slots, c.B);
+    len = std::max(len, c.start_pos + c.T);
+  }
+  auto ck = Checkpoint::open(args.require("model"), args.get("config"));
+  ModelOptions opt;
+  opt.attn = parse_attn(args.get("attn", "absorb"));
+  opt.max_slots = slots;
+  if (len > ck->args().max_seq_len)
+    fail("calls reach position ", len - 1, ", past the model's maximum sequence length ", ck->args().max_seq_len);
+  opt.max_len = len;
+  Model model(std::move(ck), make_ref_backend(), opt);
+  const int V = model.args().vocab_size;
+  std::vector<std::vector<float>> results;
+  std::vector<NamedTensor> tensors;
+  std::vector<std::string> names;
+  results.reserve(calls.size());
+  names.reserve(calls.size());
+  for (auto& c : calls) {
+    results.emplace_back(size_t(c.B) * size_t(V));
+    try {
+      model.forward(c.tokens.data(), c.B, c.T, c.start_pos, results.back().data());
+    } catch (const Error& e) {
+      fail(c.prefix, ": ", e.what());
+    }
+    names.push_back(c.prefix + ".logits");
+  }
+  for (size_t i = 0; i < calls.size(); ++i)
+    tensors.push_back({names[i], DType::F32, {calls[i].B, V}, results[i].data()});
+  write_safetensors(out_path, tensors);
+  std::fprintf(stderr, "dsv3 logits: %zu calls -> %s\n", calls.size(), out_path.c_str());
+  return 0;
+}
+
+}  // namespace
+
+DSV3_COMMAND(logits, "--model DIR --calls CALLS.safetensors --out OUT.safetensors [--attn absorb|naive] [--config F] [--threads N]: replay forward calls, write logits", run_logits);
+
+}  // namespace dsv3
