@@ -99,6 +99,9 @@ std::string safetensors_bytes(const std::vector<NamedTensor>& tensors,
   if (!metadata.empty()) h["__metadata__"] = metadata;
   uint64_t off = 0;
   for (auto& t : tensors) {
+    // A repeated name would silently drop the earlier tensor from the header.
+    if (t.name == "__metadata__") fail("safetensors: tensor name '__metadata__' is reserved");
+    if (h.contains(t.name)) fail("safetensors: tensor '", t.name, "' is given more than once");
     uint64_t n = 1;
     for (auto d : t.shape) n *= uint64_t(d);
     n *= dtype_size(t.dtype);
