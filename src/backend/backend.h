@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "model/config.h"
 #include "model/weights.h"
@@ -72,5 +73,11 @@ class Backend {
 
 // The scalar float32 backend: the oracle (multi-threaded over the global ThreadPool).
 std::unique_ptr<Backend> make_ref_backend();
+#ifdef DSV3_HAVE_CUDA
+std::unique_ptr<Backend> make_cuda_backend();  // backend/cuda/; throws Error without a usable GPU
+#endif
+// By name: "ref", and whichever of "cpu" / "cuda" this build has (registry.cc).
+std::unique_ptr<Backend> make_backend(const std::string& name);
+std::vector<std::string> backend_names();
 
 }  // namespace dsv3

@@ -70,7 +70,7 @@ std::vector<Call> read_calls(const std::string& path) {
 }
 
 int run_logits(int argc, char** argv) {
-  Args args(argc, argv, {"model", "calls", "out", "attn", "config", "threads"});
+  Args args(argc, argv, {"model", "calls", "out", "attn", "config", "threads", "backend"});
   if (args.has("threads")) ThreadPool::set_global_threads(int(args.get_int("threads", 0)));
   std::vector<Call> calls = read_calls(args.require("calls"));
   std::string out_path = args.require("out");
@@ -86,7 +86,7 @@ int run_logits(int argc, char** argv) {
   if (len > ck->args().max_seq_len)
     fail("calls reach position ", len - 1, ", past the model's maximum sequence length ", ck->args().max_seq_len);
   opt.max_len = len;
-  Model model(std::move(ck), make_ref_backend(), opt);
+  Model model(std::move(ck), make_backend(args.get("backend", "ref")), opt);
   const int V = model.args().vocab_size;
   std::vector<std::vector<float>> results;
   std::vector<NamedTensor> tensors;
