@@ -12,14 +12,16 @@ void route_token(const ModelArgs& a, const float* logits, const float* bias, int
   float* scores = scratch;      // [E] unbiased
   float* choice = scratch + E;  // [E] biased, masked
   float* gscore = scratch + 2 * E;  // [G]
+  // Scores in double, rounded once: float32 implementations differ from each other by a few ulps
+  // here (and route_scale multiplies that); the correctly rounded value sits among them.
   if (a.score_func == "softmax") {
     float mx = -std::numeric_limits<float>::infinity();
     for (int e = 0; e < E; ++e) mx = std::max(mx, logits[e]);
-    float sum = 0.f;
-    for (int e = 0; e < E; ++e) sum += (scores[e] = std::exp(logits[e] - mx));
-    for (int e = 0; e < E; ++e) scores[e] /= sum;
+    double sum = 0;
+    for (int e = 0; e < E; ++e) sum += std::exp(double(logits[e]) - mx);
+    for (int e = 0; e < E; ++e) scores[e] = float(std::exp(double(logits[e]) - mx) / sum);
   } else {
-    for (int e = 0; e < E; ++e) scores[e] = 1.f / (1.f + std::exp(-logits[e]));
+    for (int e = 0; e < E; ++e) scores[e] = float(1.0 / (1.0 + std::exp(-double(logits[e]))));
   }
   for (int e = 0; e < E; ++e) choice[e] = bias ? scores[e] + bias[e] : scores[e];
   // Higher score first; equal scores: lower index first.
@@ -51,15 +53,17 @@ void route_token(const ModelArgs& a, const float* logits, const float* bias, int
   int* ei = E <= 1024 ? eidx_stack : new int[size_t(E)];
   for (int e = 0; e < E; ++e) ei[e] = e;
   std::partial_sort(ei, ei + K, ei + E, better(choice));
-  float sum = 0.f;
+  double sum = 0;
   for (int k = 0; k < K; ++k) {
     indices[k] = ei[k];
-    weights[k] = scores[ei[k]];
-    sum += weights[k];
+    sum += scores[ei[k]];
+  }
+  for (int k = 0; k < K; ++k) {
+    double wk = scores[ei[k]];
+    if (a.norm_topk_prob) wk /= sum;
+    weights[k] = float(wk * a.route_scale);
   }
   if (ei != eidx_stack) delete[] ei;
-  if (a.norm_topk_prob) for (int k = 0; k < K; ++k) weights[k] /= sum;
-  for (int k = 0; k < K; ++k) weights[k] *= a.route_scale;
 }
 
 }  // namespace dsv3

@@ -6,7 +6,7 @@
 
 namespace dsv3 {
 
-// act_quant(x, 128, scale_fmt): per 128 consecutive values of each row, s = max(amax, 1e-4)/448
+// act_quant(x, 128, scale_fmt): per 128 consecutive values of each row, s = max(amax, 1e-4)·(1/448)
 // (ue8m0: s = 2^ceil(log2 s)), y = e4m3(x / s) round-to-nearest-even, saturating.
 // x: [rows, cols] float (cols % 128 == 0); y: [rows, cols] e4m3 bits; s: [rows, cols/128].
 void act_quant(const float* x, int64_t rows, int64_t cols, bool ue8m0, uint8_t* y, float* s);
