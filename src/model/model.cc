@@ -37,7 +37,7 @@ Model::~Model() {
 
 void Model::ensure_workspace(int64_t n) {
   if (n <= ws_tokens_) return;
-  for (float** p : {&h_, &x_, &q_, &qa_, &kv_, &attn_, &y_, &last_, &logits_})
+  for (float** p : {&h_, &x_, &q_, &qa_, &kv_, &attn_, &y_})
     if (*p) be_->release(*p), *p = nullptr;
   const ModelArgs& a = args_;
   ws_tokens_ = n;
@@ -48,8 +48,15 @@ void Model::ensure_workspace(int64_t n) {
   kv_ = be_->alloc(size_t(n * (a.kv_lora_rank + a.qk_rope_head_dim)));
   attn_ = be_->alloc(size_t(n * a.n_heads * a.v_head_dim));
   y_ = be_->alloc(size_t(n * a.dim));
-  last_ = be_->alloc(size_t(n * a.dim));
-  logits_ = be_->alloc(size_t(n * a.vocab_size));
+}
+
+void Model::ensure_logit_rows(int64_t m) {
+  if (m <= logit_rows_) return;
+  if (logits_) be_->release(logits_);
+  if (last_) be_->release(last_);
+  logit_rows_ = m;
+  last_ = be_->alloc(size_t(m * args_.dim));
+  logits_ = be_->alloc(size_t(m * args_.vocab_size));
 }
 
 void Model::forward(const int32_t* tokens, int B, int T, int start_pos, float* logits) {
@@ -104,6 +111,8 @@ void Model::forward(const int32_t* tokens, const TokenPos* pos, int64_t n, const
   }
   // logits = head(norm(h[last])) for the requested rows.
   const int64_t m = int64_t(logit_rows.size());
+  if (m == 0) return;
+  ensure_logit_rows(m);
   std::vector<float> host_row(static_cast<size_t>(D));
   for (int64_t r = 0; r < m; ++r) {  // gather through the host: rows are few
     be_->download(host_row.data(), h_ + logit_rows[size_t(r)] * D, size_t(D));

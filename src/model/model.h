@@ -43,6 +43,7 @@ class Model {
 
  private:
   void ensure_workspace(int64_t n);
+  void ensure_logit_rows(int64_t m);
   std::unique_ptr<Checkpoint> ck_;
   std::unique_ptr<Backend> be_;
   ModelOptions opt_;
@@ -50,8 +51,8 @@ class Model {
   ModelWeights w_;
   RopeTable rope_;
   std::vector<LayerCache> cache_;
-  // Workspace (backend memory), sized for ws_tokens_ tokens.
-  int64_t ws_tokens_ = 0;
+  // Workspace (backend memory), sized for ws_tokens_ tokens and logit_rows_ rows of logits.
+  int64_t ws_tokens_ = 0, logit_rows_ = 0;
   float *h_ = nullptr, *x_ = nullptr, *q_ = nullptr, *qa_ = nullptr, *kv_ = nullptr, *attn_ = nullptr,
         *y_ = nullptr, *last_ = nullptr, *logits_ = nullptr;
 };
