@@ -13,14 +13,9 @@
 #include "io/safetensors.h"
 #include "model/model.h"
 #include "tools/command.h"
+#include "tools/model_options.h"
 
 namespace dsv3 {
-
-AttnImpl parse_attn(const std::string& s) {
-  if (s == "absorb") return AttnImpl::kAbsorb;
-  if (s == "naive") return AttnImpl::kNaive;
-  fail("--attn must be absorb or naive, got '", s, "'");
-}
 
 namespace {
 
@@ -70,8 +65,7 @@ std::vector<Call> read_calls(const std::string& path) {
 }
 
 int run_logits(int argc, char** argv) {
-  Args args(argc, argv, {"model", "calls", "out", "attn", "config", "threads", "backend"});
-  if (args.has("threads")) ThreadPool::set_global_threads(int(args.get_int("threads", 0)));
+  Args args(argc, argv, with_model_options({"calls", "out"}));
   std::vector<Call> calls = read_calls(args.require("calls"));
   std::string out_path = args.require("out");
   int slots = 1, len = 1;
@@ -79,14 +73,10 @@ int run_logits(int argc, char** argv) {
     slots = std::max(slots, c.B);
     len = std::max(len, c.start_pos + c.T);
   }
-  auto ck = Checkpoint::open(args.require("model"), args.get("config"));
-  ModelOptions opt;
-  opt.attn = parse_attn(args.get("attn", "absorb"));
-  opt.max_slots = slots;
-  if (len > ck->args().max_seq_len)
-    fail("calls reach position ", len - 1, ", past the model's maximum sequence length ", ck->args().max_seq_len);
-  opt.max_len = len;
-  Model model(std::move(ck), make_backend(args.get("backend", "ref")), opt);
+  LoadedModel lm = load_model(args, slots, len, "ref");  // the exact path unless asked otherwise
+  Model& model = *lm.model;
+  if (len > model.max_len())
+    fail("calls reach position ", len - 1, ", past the model's maximum sequence length ", model.args().max_seq_len);
   const int V = model.args().vocab_size;
   std::vector<std::vector<float>> results;
   std::vector<NamedTensor> tensors;

@@ -1,0 +1,116 @@
+#include "runtime/generate.h"
+
+#include <algorithm>
+#include <chrono>
+
+#include "core/error.h"
+
+namespace dsv3 {
+
+using Clock = std::chrono::steady_clock;
+static double seconds_since(Clock::time_point t) {
+  return std::chrono::duration<double>(Clock::now() - t).count();
+}
+
+std::vector<GenerateResult> Generator::run(const std::vector<GenerateRequest>& reqs,
+                                           const std::function<void(size_t, int32_t)>& on_token,
+                                           const std::atomic<bool>* cancel) {
+  const ModelArgs& a = model_.args();
+  const int V = a.vocab_size, max_len = model_.max_len();
+  if (reqs.empty()) return {};
+  if (int(reqs.size()) > model_.max_slots())
+    fail(reqs.size(), " requests exceed the ", model_.max_slots(), " sequences the cache holds");
+  std::vector<GenerateResult> out(reqs.size());
+  std::vector<Sampler> samplers;
+  samplers.reserve(reqs.size());
+  for (size_t i = 0; i < reqs.size(); ++i) {
+    const auto& p = reqs[i].prompt;
+    if (p.empty()) fail("request ", i, ": empty prompt");
+    if (int(p.size()) >= max_len)
+      fail("request ", i, ": prompt of ", p.size(), " tokens does not fit the context of ", max_len,
+           " tokens (leave room for at least one new token)");
+    for (int32_t t : p)
+      if (t < 0 || t >= V) fail("request ", i, ": token id ", t, " is outside the vocabulary [0, ", V, ")");
+    if (reqs[i].max_new_tokens < 0) fail("request ", i, ": max_new_tokens must be >= 0");
+    samplers.emplace_back(reqs[i].sampling);
+    out[i].prompt_tokens = int(p.size());
+  }
+
+  // Prefill: each prompt in chunks (the part not already cached), logits of its last token.
+  auto t0 = Clock::now();
+  std::vector<float> logits(reqs.size() * size_t(V));
+  std::vector<std::vector<int32_t>> ctx(reqs.size());
+  for (size_t i = 0; i < reqs.size(); ++i) {
+    const auto& p = reqs[i].prompt;
+    size_t start = 0;
+    if (reuse_) {
+      const auto& c = cached_[i];
+      while (start < c.size() && start + 1 < p.size() && c[start] == p[start]) ++start;
+    }
+    out[i].reused_prompt_tokens = int(start);
+    cached_[i].assign(p.begin(), p.begin() + long(start));
+    for (size_t b = start; b < p.size(); b += size_t(chunk_)) {
+      size_t e = std::min(p.size(), b + size_t(chunk_));
+      std::vector<TokenPos> pos;
+      for (size_t t = b; t < e; ++t) pos.push_back({int32_t(i), int32_t(t)});
+      std::vector<int64_t> rows;
+      if (e == p.size()) rows.push_back(int64_t(e - b - 1));
+      model_.forward(p.data() + b, pos.data(), int64_t(pos.size()), rows, logits.data() + i * size_t(V));
+      cached_[i].insert(cached_[i].end(), p.begin() + long(b), p.begin() + long(e));
+    }
+    ctx[i] = p;
+    stats_.prompt_tokens += int64_t(p.size() - start);
+  }
+  stats_.prefill_s += seconds_since(t0);
+
+  // Decode: sample for every live request, then one batched step for those still going.
+  auto t1 = Clock::now();
+  std::vector<size_t> live;
+  for (size_t i = 0; i < reqs.size(); ++i) {
+    if (reqs[i].max_new_tokens == 0) out[i].finish_reason = "length";
+    else live.push_back(i);
+  }
+  bool first = true;
+  while (!live.empty()) {
+    std::vector<size_t> next;
+    std::vector<int32_t> toks;
+    std::vector<TokenPos> pos;
+    for (size_t r = 0; r < live.size(); ++r) {
+      size_t i = live[r];
+      // The first step's logits are laid out by request, later steps' by position in `live`.
+      const float* row = logits.data() + (first ? i : r) * size_t(V);
+      int32_t tok = samplers[i].sample(row, V, ctx[i]);
+      if (on_token) on_token(i, tok);
+      if (tok == eos_) {
+        out[i].finish_reason = "stop";
+        continue;
+      }
+      out[i].tokens.push_back(tok);
+      ctx[i].push_back(tok);
+      stats_.generated_tokens++;
+      int p = int(ctx[i].size()) - 1;  // position of the new token
+      if (int(out[i].tokens.size()) >= reqs[i].max_new_tokens || p >= max_len) {
+        out[i].finish_reason = "length";
+        continue;
+      }
+      if (cancel && cancel->load()) {
+        out[i].finish_reason = "cancelled";
+        continue;
+      }
+      next.push_back(i);
+      toks.push_back(tok);
+      pos.push_back({int32_t(i), int32_t(p)});
+    }
+    live = next;
+    first = false;
+    if (live.empty()) break;
+    std::vector<int64_t> rows(live.size());
+    for (size_t r = 0; r < live.size(); ++r) rows[r] = int64_t(r);
+    model_.forward(toks.data(), pos.data(), int64_t(toks.size()), rows, logits.data());
+    for (size_t r = 0; r < live.size(); ++r) cached_[live[r]].push_back(toks[r]);
+  }
+  stats_.decode_s += seconds_since(t1);
+  return out;
+}
+
+}  // namespace dsv3

@@ -1,0 +1,165 @@
+// dsv3 generate: the reference's batch generation — prompts (text through the chat template, or
+// raw ids) of different lengths in one batch, sampled until EOS or the token budget, printed as
+// prompt/completion pairs (or JSON).
+#include <cstdio>
+#include <fstream>
+#include <iostream>
+#include <nlohmann/json.hpp>
+#include <sstream>
+
+#include "core/error.h"
+#include "core/thread_pool.h"
+#include "io/mmap_file.h"
+#include "runtime/generate.h"
+#include "text/chat_template.h"
+#include "text/tokenizer.h"
+#include "tools/command.h"
+#include "tools/model_options.h"
+
+namespace dsv3 {
+namespace {
+
+std::vector<std::vector<int32_t>> read_id_lines(const std::string& path) {
+  std::ifstream f(path);
+  if (!f) fail(path, ": cannot open");
+  std::vector<std::vector<int32_t>> out;
+  std::string line;
+  int n = 0;
+  while (std::getline(f, line)) {
+    ++n;
+    if (line.find_first_not_of(" \t\r") == std::string::npos) continue;
+    std::istringstream ss(line);
+    std::vector<int32_t> ids;
+    std::string w;
+    while (ss >> w) {
+      char* end = nullptr;
+      long v = std::strtol(w.c_str(), &end, 10);
+      if (*end || v < INT32_MIN || v > INT32_MAX) fail(path, ":", n, ": '", w, "' is not a token id");
+      ids.push_back(int32_t(v));
+    }
+    out.push_back(std::move(ids));
+  }
+  if (out.empty()) fail(path, ": no prompts (one prompt per line, space-separated ids)");
+  return out;
+}
+
+std::vector<std::string> read_text_lines(const std::string& path) {
+  std::ifstream f(path);
+  if (!f) fail(path, ": cannot open");
+  std::vector<std::string> out;
+  std::string line;
+  while (std::getline(f, line)) {
+    if (!line.empty() && line.back() == '\r') line.pop_back();
+    if (line.find_first_not_of(" \t") != std::string::npos) out.push_back(line);
+  }
+  if (out.empty()) fail(path, ": no prompts (one prompt per line)");
+  return out;
+}
+
+int run_generate(int argc, char** argv) {
+  Args args(argc, argv,
+            with_model_options({"input-file", "input-ids", "prompt", "max-new-tokens", "temperature", "top-p",
+                                "top-k", "min-p", "repetition-penalty", "presence-penalty", "frequency-penalty",
+                                "seed", "system", "tokenizer", "batch"}),
+            {"raw", "json", "ignore-eos"});
+  int sources = args.has("input-file") + args.has("input-ids") + args.has("prompt");
+  if (sources != 1) fail("give exactly one of --prompt TEXT, --input-file F, --input-ids F");
+  const bool json_out = args.has("json");
+
+  std::unique_ptr<Tokenizer> tok;
+  std::vector<std::vector<int32_t>> prompts;
+  std::vector<std::string> texts;
+  std::string model_dir = args.require("model");
+  if (args.has("input-ids")) {
+    prompts = read_id_lines(args.get("input-ids"));
+    try {
+      tok = Tokenizer::load(args.has("tokenizer") ? args.get("tokenizer") : find_tokenizer_dir(model_dir));
+    } catch (const Error&) {
+      if (!json_out) throw;  // ids in, ids out: no tokenizer needed
+    }
+  } else {
+    texts = args.has("prompt") ? std::vector<std::string>{args.get("prompt")} : read_text_lines(args.get("input-file"));
+    std::string tdir = args.has("tokenizer") ? args.get("tokenizer") : find_tokenizer_dir(model_dir);
+    tok = Tokenizer::load(tdir);
+    std::unique_ptr<ChatTemplate> tmpl;
+    if (!args.has("raw")) tmpl = std::make_unique<ChatTemplate>(ChatTemplate::load(tdir));
+    for (auto& t : texts) {
+      if (t.empty()) fail("empty prompt");
+      std::string rendered = t;
+      if (tmpl) {
+        nlohmann::json msgs = nlohmann::json::array();
+        if (args.has("system")) msgs.push_back({{"role", "system"}, {"content", args.get("system")}});
+        msgs.push_back({{"role", "user"}, {"content", t}});
+        rendered = tmpl->render(msgs, true);
+      }
+      prompts.push_back(tok->encode(rendered));
+    }
+  }
+
+  SamplingParams sp;
+  sp.temperature = float(args.get_float("temperature", 0.2));  // the reference's default
+  sp.top_p = float(args.get_float("top-p", 1.0));
+  sp.top_k = int(args.get_int("top-k", 0));
+  sp.min_p = float(args.get_float("min-p", 0.0));
+  sp.repetition_penalty = float(args.get_float("repetition-penalty", 1.0));
+  sp.presence_penalty = float(args.get_float("presence-penalty", 0.0));
+  sp.frequency_penalty = float(args.get_float("frequency-penalty", 0.0));
+  sp.seed = uint64_t(args.get_int("seed", 0));
+  sp.validate();
+  const int max_new = int(args.get_int("max-new-tokens", 200));  // the reference's default
+  const int batch = int(std::max<long>(1, args.get_int("batch", 8)));
+
+  size_t longest = 0;
+  for (auto& p : prompts) longest = std::max(longest, p.size());
+  LoadedModel lm = load_model(args, std::min<long>(batch, long(prompts.size())), int(longest) + max_new + 1);
+  Model& model = *lm.model;
+  int eos = tok ? tok->eos_id() : model.args().eos_token_id;
+  if (eos < 0) eos = model.args().eos_token_id;
+  if (args.has("ignore-eos")) eos = -1;  // as the reference's eos_id=-1: always max_new_tokens
+  Generator gen(model, eos);
+
+  nlohmann::json results = nlohmann::json::array();
+  for (size_t b = 0; b < prompts.size(); b += size_t(batch)) {
+    std::vector<GenerateRequest> reqs;
+    for (size_t i = b; i < std::min(prompts.size(), b + size_t(batch)); ++i) {
+      GenerateRequest r;
+      r.prompt = prompts[i];
+      r.sampling = sp;
+      r.sampling.seed = sp.seed + i;  // distinct streams per prompt, reproducible per seed
+      r.max_new_tokens = max_new;
+      reqs.push_back(std::move(r));
+    }
+    auto res = gen.run(reqs);
+    for (size_t k = 0; k < res.size(); ++k) {
+      size_t i = b + k;
+      std::string completion = tok ? tok->decode(res[k].tokens, true) : "";
+      if (json_out) {
+        nlohmann::json o = {{"prompt_ids", prompts[i]}, {"completion_ids", res[k].tokens},
+                            {"finish_reason", res[k].finish_reason}};
+        if (tok) {
+          o["prompt"] = texts.empty() ? tok->decode(prompts[i], false) : texts[i];
+          o["completion"] = completion;
+        }
+        results.push_back(o);
+      } else {
+        std::printf("Prompt: %s\nCompletion: %s\n\n", texts.empty() ? tok->decode(prompts[i], false).c_str() : texts[i].c_str(),
+                    completion.c_str());
+      }
+    }
+  }
+  if (json_out) std::printf("%s\n", results.dump(2, ' ', false, nlohmann::json::error_handler_t::replace).c_str());
+  const GenerateStats& st = gen.stats();
+  std::fprintf(stderr, "prefill %lld tokens in %.2f s (%.1f tok/s); decode %lld tokens in %.2f s (%.1f tok/s)\n",
+               (long long)st.prompt_tokens, st.prefill_s, st.prefill_s > 0 ? st.prompt_tokens / st.prefill_s : 0.0,
+               (long long)st.generated_tokens, st.decode_s, st.decode_s > 0 ? st.generated_tokens / st.decode_s : 0.0);
+  return 0;
+}
+
+}  // namespace
+
+DSV3_COMMAND(generate,
+             "--model DIR (--prompt TEXT | --input-file F | --input-ids F) [--max-new-tokens N] [--temperature T] "
+             "[--top-p P] [--top-k K] [--min-p P] [--seed S] [--raw] [--json] [--ignore-eos] [--system TEXT]: batch generation",
+             run_generate);
+
+}  // namespace dsv3

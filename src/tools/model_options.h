@@ -1,0 +1,25 @@
+// Options every model-running command shares (--model, --config, --backend, --attn, --threads,
+// --kv-cache-gb) and the one way to turn them into a Model.
+#pragma once
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "model/model.h"
+#include "tools/command.h"
+
+namespace dsv3 {
+
+std::vector<std::string> with_model_options(std::vector<std::string> opts);
+AttnImpl parse_attn(const std::string& s);
+std::string default_backend();  // "cpu" when this build has it, else "ref"
+
+struct LoadedModel {
+  std::unique_ptr<Model> model;
+};
+// Opens --model (with --config), sets threads, picks --backend, sizes the cache for `slots`
+// sequences of up to `max_len` positions (capped by the config's maximum).
+// --backend defaults to `backend` when given, else default_backend().
+LoadedModel load_model(const Args& args, int slots, int max_len, const std::string& backend = "");
+
+}  // namespace dsv3

@@ -1,0 +1,103 @@
+// dsv3 generate, greedy, on the golden checkpoints with the golden prompts as ids: the tokens
+// follow the argmax of logits_fp32 at every step up to the first step where the reference's own
+// recorded token departs from that argmax (golden/README.md).
+#include <gtest/gtest.h>
+
+#include <cstdio>
+#include <cstdlib>
+#include <fstream>
+#include <nlohmann/json.hpp>
+
+#include "golden_util.h"
+#include "io/safetensors.h"
+
+using namespace dsv3;
+using namespace dsv3::testing_util;
+
+namespace {
+
+std::string slurp(const std::string& p) {
+  std::ifstream f(p);
+  return std::string((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
+}
+
+class GoldenGenerate : public ::testing::TestWithParam<std::string> {};
+
+TEST_P(GoldenGenerate, GreedyFollowsFp32Argmax) {
+  const std::string c = GetParam();
+  SafetensorsFile g(case_dir(c) + "/golden.safetensors");
+  TensorView lens = g.get("prompt_lens"), flat = g.get("prompt_tokens_flat");
+  const int B = int(lens.dim(0));
+  std::vector<std::vector<int32_t>> prompts;
+  std::string ids_path = ::testing::TempDir() + "/dsv3_gen_" + c + ".txt";
+  {
+    std::ofstream f(ids_path);
+    int off = 0;
+    for (int b = 0; b < B; ++b) {
+      int n = lens.as<int32_t>()[b];
+      prompts.emplace_back(flat.as<int32_t>() + off, flat.as<int32_t>() + off + n);
+      off += n;
+      for (int i = 0; i < n; ++i) f << (i ? " " : "") << prompts.back()[size_t(i)];
+      f << "\n";
+    }
+  }
+  // How many tokens the reference generated per row: up to the last step's end position.
+  int steps = std::atoi(g.metadata().at("steps").c_str());
+  char key[32];
+  std::snprintf(key, sizeof key, "step%03d", steps - 1);
+  int end_pos = g.get(std::string(key) + ".start_pos").as<int32_t>()[0] + int(g.get(std::string(key) + ".tokens").dim(1)) + 1;
+  int max_new = 0;
+  for (auto& p : prompts) max_new = std::max(max_new, end_pos - int(p.size()));
+  std::string out = ::testing::TempDir() + "/dsv3_gen_" + c + ".json";
+  std::string cmd = std::string(DSV3_BINARY) + " generate --model " + case_dir(c) + "/hf --input-ids " + ids_path +
+                    " --json --temperature 0 --ignore-eos --backend ref --max-new-tokens " +
+                    std::to_string(max_new) + " >" + out + " 2>/dev/null";
+  ASSERT_EQ(std::system(cmd.c_str()), 0) << cmd;
+  auto res = nlohmann::json::parse(slurp(out));
+  ASSERT_EQ(int(res.size()), B);
+  const int V = int(g.get("step000.logits_fp32").dim(1));
+  int checked = 0;
+  for (int b = 0; b < B; ++b) {
+    auto ours = res[size_t(b)]["completion_ids"].get<std::vector<int32_t>>();
+    const int L = int(prompts[size_t(b)].size());
+    for (int s = 0; s < steps; ++s) {
+      std::snprintf(key, sizeof key, "step%03d", s);
+      TensorView tok = g.get(std::string(key) + ".tokens");
+      int next = g.get(std::string(key) + ".start_pos").as<int32_t>()[0] + int(tok.dim(1));  // position predicted
+      if (next < L) continue;  // still inside the prompt
+      int expected = argmax(g.get(std::string(key) + ".logits_fp32").as<float>() + size_t(b) * V, V);
+      size_t j = size_t(next - L);
+      ASSERT_LT(j, ours.size()) << c << " row " << b;
+      EXPECT_EQ(ours[j], expected) << c << " row " << b << " generated token " << j;
+      ++checked;
+      if (s + 1 >= steps) break;
+      std::snprintf(key, sizeof key, "step%03d", s + 1);
+      TensorView nt = g.get(std::string(key) + ".tokens");
+      if (nt.as<int32_t>()[size_t(b) * nt.dim(1)] != expected) break;  // the reference departed here
+    }
+  }
+  EXPECT_GT(checked, 20) << c;
+}
+
+INSTANTIATE_TEST_SUITE_P(Cases, GoldenGenerate, ::testing::ValuesIn(golden_cases()));
+
+TEST(GenerateCommand, RefusesBadInput) {
+  std::string bad = ::testing::TempDir() + "/dsv3_gen_bad.txt";
+  auto run = [&](const std::string& content, const std::string& extra) {
+    std::ofstream(bad) << content;
+    std::string err = ::testing::TempDir() + "/dsv3_gen_err.txt";
+    int rc = std::system((std::string(DSV3_BINARY) + " generate --model " + case_dir("v3_fp8") + "/hf --input-ids " +
+                          bad + " --json --backend ref " + extra + " >/dev/null 2>" + err).c_str());
+    EXPECT_NE(rc, 0);
+    return slurp(err);
+  };
+  EXPECT_NE(run("1 2 999\n", "").find("token id 999 is outside the vocabulary"), std::string::npos);
+  EXPECT_NE(run("1 x 3\n", "").find("'x' is not a token id"), std::string::npos);
+  EXPECT_NE(run("\n\n", "").find("no prompts"), std::string::npos);
+  std::string longp;
+  for (int i = 0; i < 300; ++i) longp += "5 ";
+  EXPECT_NE(run(longp + "\n", "").find("does not fit the context"), std::string::npos);
+  EXPECT_NE(run("1 2\n", "--temperature -1").find("temperature"), std::string::npos);
+}
+
+}  // namespace
