@@ -133,7 +133,9 @@ TEST(Safetensors, RoundTripsEveryDtypeWithScalarsEmptiesAndMetadata) {
     for (auto d : t.shape) numel *= d;
     EXPECT_EQ(v.numel(), numel);
     ASSERT_EQ(v.nbytes(), size_t(numel) * dtype_size(t.dtype));
-    if (v.nbytes()) EXPECT_EQ(std::memcmp(v.data, t.data, v.nbytes()), 0);
+    if (v.nbytes()) {
+      EXPECT_EQ(std::memcmp(v.data, t.data, v.nbytes()), 0);
+    }
   }
   EXPECT_EQ(load_f32(f.get("scalar"), 0), 42.5f);
   EXPECT_EQ(load_f32(f.get("bf16"), 1), -2.5f);
