@@ -18,14 +18,14 @@ echo "== tests (release) =="
 if [ "${DSV3_QUICK:-0}" != "1" ]; then
   echo "== build (ASan+UBSan) =="
   cmake -S . -B build-asan -G Ninja -DCMAKE_BUILD_TYPE=Debug -DCMAKE_CXX_FLAGS="-O1" \
-        -DDSV3_SANITIZE=ON >/dev/null
+        -DDSV3_SANITIZE=ON -DDSV3_CUDA=OFF >/dev/null
   ninja -C build-asan -j"$jobs"
   echo "== tests (ASan+UBSan) =="
   (cd build-asan && ASAN_OPTIONS=detect_leaks=1 ctest --output-on-failure -j"$jobs" -LE slow)
 
   echo "== fuzz (libFuzzer, bounded) =="
   cmake -S . -B build-fuzz -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DCMAKE_CXX_COMPILER=clang++ \
-        -DDSV3_FUZZ=ON -DDSV3_TESTS=OFF >/dev/null
+        -DDSV3_FUZZ=ON -DDSV3_TESTS=OFF -DDSV3_CUDA=OFF >/dev/null
   ninja -C build-fuzz -j"$jobs"
   for f in build-fuzz/*_fuzz; do
     [ -x "$f" ] || continue
