@@ -120,3 +120,29 @@ TEST(LogitsCommand, ReplaysGoldenCallsThroughTheBinary) {
 }
 
 }  // namespace
+
+namespace {
+// Debug taps: every layer reports its intermediates, and they add up (h_l = h_{l-1} + attn + ffn).
+TEST(DebugTaps, ReportEveryLayerAndSatisfyTheResidualSum) {
+  ModelOptions opt;
+  opt.max_slots = 1;
+  Model m(Checkpoint::open(case_dir("v2_groups_bf16") + "/hf"), make_ref_backend(), opt);
+  std::map<std::string, std::vector<float>> taps;
+  m.set_tap([&](const std::string& name, const float* d, int64_t rows, int64_t cols) {
+    taps[name] = std::vector<float>(d, d + rows * cols);
+  });
+  std::vector<int32_t> toks = {3, 1, 4, 1, 5};
+  std::vector<float> logits(static_cast<size_t>(m.args().vocab_size));
+  m.forward(toks.data(), 1, 5, 0, logits.data());
+  const int L = m.args().n_layers;
+  EXPECT_EQ(int(taps.size()), 5 * L);
+  for (int l = 1; l < L; ++l) {
+    auto& prev = taps["h." + std::to_string(l - 1)];
+    auto& a = taps["attn_out." + std::to_string(l)];
+    auto& f = taps["ffn_out." + std::to_string(l)];
+    auto& h = taps["h." + std::to_string(l)];
+    ASSERT_EQ(h.size(), size_t(5 * m.args().dim));
+    for (size_t i = 0; i < h.size(); ++i) ASSERT_NEAR(h[i], prev[i] + a[i] + f[i], 1e-4f * (1 + std::fabs(h[i])));
+  }
+}
+}  // namespace

@@ -59,6 +59,13 @@ void Model::ensure_logit_rows(int64_t m) {
   logits_ = be_->alloc(size_t(m * args_.vocab_size));
 }
 
+void Model::tap(const char* what, int layer, const float* buf, int64_t n, int64_t cols) {
+  if (!tap_) return;
+  std::vector<float> host(static_cast<size_t>(n * cols));
+  be_->download(host.data(), buf, host.size());
+  tap_(std::string(what) + "." + std::to_string(layer), host.data(), n, cols);
+}
+
 void Model::forward(const int32_t* tokens, int B, int T, int start_pos, float* logits) {
   if (B <= 0 || T <= 0) fail("forward: empty batch (B=", B, ", T=", T, ")");
   if (B > opt_.max_slots) fail("forward: batch of ", B, " rows exceeds the cache's ", opt_.max_slots, " slots");
@@ -92,6 +99,7 @@ void Model::forward(const int32_t* tokens, const TokenPos* pos, int64_t n, const
     const LayerWeights& L = w_.layers[size_t(l)];
     // x = attn_norm(h); h += wo(MLA(x))
     be_->rmsnorm(h_, n, D, D, L.attn_norm, a.rms_norm_eps, x_);
+    tap("attn_norm", l, x_, n, D);
     if (a.q_lora_rank == 0) {
       be_->linear(x_, n, L.attn.wq, q_);  // q: [n, n_heads * qk_head_dim]
     } else {
@@ -102,12 +110,16 @@ void Model::forward(const int32_t* tokens, const TokenPos* pos, int64_t n, const
     be_->linear(x_, n, L.attn.wkv_a, kv_);  // kv: [n, kv_lora_rank + qk_rope_head_dim]
     be_->mla(a, opt_.attn, L.attn, rope_, pos, n, q_, kv_, cache_[size_t(l)], opt_.max_len, attn_);
     be_->linear(attn_, n, L.attn.wo, y_);  // [n, dim]
+    tap("attn_out", l, y_, n, D);
     be_->add(h_, y_, n * D);
     // x = ffn_norm(h); h += ffn(x)
     be_->rmsnorm(h_, n, D, D, L.ffn_norm, a.rms_norm_eps, x_);
+    tap("ffn_norm", l, x_, n, D);
     if (L.moe) be_->moe(a, L.moe_w, x_, n, y_);
     else be_->mlp(L.ffn, x_, n, y_);
+    tap("ffn_out", l, y_, n, D);
     be_->add(h_, y_, n * D);
+    tap("h", l, h_, n, D);
   }
   // logits = head(norm(h[last])) for the requested rows.
   const int64_t m = int64_t(logit_rows.size());

@@ -1,7 +1,9 @@
 // The DeepSeek-V3 transformer: the reference's Transformer.forward as one explicit loop over
 // layers, calling Backend ops. Owns the KV cache (slots x max_len) and the activations.
 #pragma once
+#include <functional>
 #include <memory>
+#include <string>
 #include <vector>
 
 #include "backend/backend.h"
@@ -36,6 +38,12 @@ class Model {
   // positions past max_len, B > max_slots.
   void forward(const int32_t* tokens, int B, int T, int start_pos, float* logits);
 
+  // Debug taps: when set, called with named intermediates of every forward (host copies):
+  // "attn_norm.L", "attn_out.L", "ffn_norm.L", "ffn_out.L", "h.L" (the residual after layer L),
+  // each [n_tokens, dim]. Slow (a download per tap); for tracing a wrong logit to a layer.
+  using Tap = std::function<void(const std::string& name, const float* data, int64_t rows, int64_t cols)>;
+  void set_tap(Tap tap) { tap_ = std::move(tap); }
+
   // General form for continuous batching: n tokens, each with its own (slot, pos); logits of the
   // tokens listed in `logit_rows` (indices into the n tokens) go to logits [rows, vocab_size].
   void forward(const int32_t* tokens, const TokenPos* pos, int64_t n, const std::vector<int64_t>& logit_rows,
@@ -43,6 +51,8 @@ class Model {
 
  private:
   void ensure_workspace(int64_t n);
+  void tap(const char* what, int layer, const float* buf, int64_t n, int64_t cols);
+  Tap tap_;
   void ensure_logit_rows(int64_t m);
   std::unique_ptr<Checkpoint> ck_;
   std::unique_ptr<Backend> be_;

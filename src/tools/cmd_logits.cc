@@ -65,7 +65,7 @@ std::vector<Call> read_calls(const std::string& path) {
 }
 
 int run_logits(int argc, char** argv) {
-  Args args(argc, argv, with_model_options({"calls", "out"}));
+  Args args(argc, argv, with_model_options({"calls", "out", "dump-taps"}));
   std::vector<Call> calls = read_calls(args.require("calls"));
   std::string out_path = args.require("out");
   int slots = 1, len = 1;
@@ -83,7 +83,19 @@ int run_logits(int argc, char** argv) {
   std::vector<std::string> names;
   results.reserve(calls.size());
   names.reserve(calls.size());
+  // --dump-taps FILE: every named intermediate of every call, as stepNNN.<tap> [B*T, dim].
+  std::vector<std::vector<float>> tap_data;
+  std::vector<std::string> tap_names;
+  std::vector<std::vector<int64_t>> tap_shapes;
+  std::string prefix;
+  if (args.has("dump-taps"))
+    model.set_tap([&](const std::string& name, const float* d, int64_t rows, int64_t cols) {
+      tap_names.push_back(prefix + "." + name);
+      tap_data.emplace_back(d, d + rows * cols);
+      tap_shapes.push_back({rows, cols});
+    });
   for (auto& c : calls) {
+    prefix = c.prefix;
     results.emplace_back(size_t(c.B) * size_t(V));
     try {
       model.forward(c.tokens.data(), c.B, c.T, c.start_pos, results.back().data());
@@ -95,12 +107,18 @@ int run_logits(int argc, char** argv) {
   for (size_t i = 0; i < calls.size(); ++i)
     tensors.push_back({names[i], DType::F32, {calls[i].B, V}, results[i].data()});
   write_safetensors(out_path, tensors);
+  if (args.has("dump-taps")) {
+    std::vector<NamedTensor> taps;
+    for (size_t i = 0; i < tap_names.size(); ++i)
+      taps.push_back({tap_names[i], DType::F32, tap_shapes[i], tap_data[i].data()});
+    write_safetensors(args.get("dump-taps"), taps);
+  }
   std::fprintf(stderr, "dsv3 logits: %zu calls -> %s\n", calls.size(), out_path.c_str());
   return 0;
 }
 
 }  // namespace
 
-DSV3_COMMAND(logits, "--model DIR --calls CALLS.safetensors --out OUT.safetensors [--attn absorb|naive] [--config F] [--threads N]: replay forward calls, write logits", run_logits);
+DSV3_COMMAND(logits, "--model DIR --calls CALLS.safetensors --out OUT.safetensors [--attn absorb|naive] [--backend B] [--dump-taps F]: replay forward calls, write logits", run_logits);
 
 }  // namespace dsv3
