@@ -97,8 +97,16 @@ std::string safetensors_bytes(const std::vector<NamedTensor>& tensors,
                               const std::map<std::string, std::string>& metadata) {
   json h = json::object();
   if (!metadata.empty()) h["__metadata__"] = metadata;
+  // Largest element size first (stable): every offset is then a multiple of its tensor's element
+  // size and, with the header padded to 8, the views are aligned (the Python library's layout).
+  std::vector<const NamedTensor*> order;
+  for (auto& t : tensors) order.push_back(&t);
+  std::stable_sort(order.begin(), order.end(), [](const NamedTensor* a, const NamedTensor* b) {
+    return dtype_size(a->dtype) > dtype_size(b->dtype);
+  });
   uint64_t off = 0;
-  for (auto& t : tensors) {
+  for (const NamedTensor* tp : order) {
+    const NamedTensor& t = *tp;
     // A repeated name would silently drop the earlier tensor from the header.
     if (t.name == "__metadata__") fail("safetensors: tensor name '__metadata__' is reserved");
     if (h.contains(t.name)) fail("safetensors: tensor '", t.name, "' is given more than once");
@@ -115,10 +123,10 @@ std::string safetensors_bytes(const std::vector<NamedTensor>& tensors,
   for (int i = 0; i < 8; ++i) out[size_t(i)] = char((hl >> (8 * i)) & 0xff);
   out += hs;
   out.reserve(out.size() + off);
-  for (auto& t : tensors) {
+  for (const NamedTensor* t : order) {
     uint64_t n = 1;
-    for (auto d : t.shape) n *= uint64_t(d);
-    out.append(static_cast<const char*>(t.data), n * dtype_size(t.dtype));
+    for (auto d : t->shape) n *= uint64_t(d);
+    if (n) out.append(static_cast<const char*>(t->data), n * dtype_size(t->dtype));  // empty: data may be null
   }
   return out;
 }

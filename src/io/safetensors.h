@@ -54,7 +54,8 @@ struct NamedTensor {
   const void* data;
 };
 
-// Serialises tensors (in the given order) into safetensors bytes.
+// Serialises tensors into safetensors bytes: the data of the largest element size first, in the
+// given order within one size, so that every tensor is aligned to its element size.
 std::string safetensors_bytes(const std::vector<NamedTensor>& tensors,
                               const std::map<std::string, std::string>& metadata = {});
 // Writes a safetensors file atomically (temporary file + rename).
