@@ -44,6 +44,24 @@ class Backend {
   // Called once after loading; a device backend copies the weights and rewrites the views.
   virtual void prepare_weights(const ModelArgs& args, ModelWeights& w) {}
 
+  // Optional hooks around one step of Model::forward, for device backends that record a step's
+  // launches (CUDA graphs) and replay them. begin_step gets the step's host metadata, valid until
+  // end_step; when it returns true, the backend replays a recorded step of the same shape at
+  // end_step and the caller skips every op in between. Defaults: nothing is recorded.
+  virtual bool begin_step(const int32_t* tokens, const TokenPos* pos, int64_t n, const int64_t* logit_rows,
+                          int64_t m) {
+    return false;
+  }
+  virtual void end_step() {}
+  // y[r, :d] = x[rows[r], :d] for r < m, rows in host memory. Default: through the host.
+  virtual void gather_rows(const float* x, int64_t d, const int64_t* rows, int64_t m, float* y) {
+    std::vector<float> row(static_cast<size_t>(d));
+    for (int64_t r = 0; r < m; ++r) {
+      download(row.data(), x + rows[r] * d, size_t(d));
+      upload(y + r * d, row.data(), size_t(d));
+    }
+  }
+
   // y[n, dim] = table[tokens[i]] (tokens in host memory, already range-checked).
   virtual void embed(const int32_t* tokens, int64_t n, const TensorView& table, float* y) = 0;
   // y[n, d] = x / rms(x) * w; rows are `stride` floats apart in x and y (y may alias x).

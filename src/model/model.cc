@@ -9,10 +9,20 @@ namespace dsv3 {
 
 Model::Model(std::unique_ptr<Checkpoint> ck, std::unique_ptr<Backend> backend, const ModelOptions& opt)
     : ck_(std::move(ck)), be_(std::move(backend)), opt_(opt), args_(ck_->args()) {
-  if (opt_.max_len <= 0 || opt_.max_len > args_.max_seq_len) opt_.max_len = args_.max_seq_len;
   if (opt_.max_slots <= 0) fail("max_slots must be positive");
   w_ = load_weights(*ck_);
   be_->prepare_weights(args_, w_);
+  init();
+}
+
+Model::Model(const ModelArgs& args, ModelWeights w, std::unique_ptr<Backend> backend, const ModelOptions& opt)
+    : be_(std::move(backend)), opt_(opt), args_(args), w_(std::move(w)) {
+  if (opt_.max_slots <= 0) fail("max_slots must be positive");
+  init();
+}
+
+void Model::init() {
+  if (opt_.max_len <= 0 || opt_.max_len > args_.max_seq_len) opt_.max_len = args_.max_seq_len;
   rope_ = RopeTable(args_, opt_.max_len);
   const int64_t rows = int64_t(opt_.max_slots) * opt_.max_len;
   cache_.resize(size_t(args_.n_layers));
@@ -92,6 +102,19 @@ void Model::forward(const int32_t* tokens, const TokenPos* pos, int64_t n, const
   }
   for (int64_t r : logit_rows) DSV3_CHECK(r >= 0 && r < n, "logit row ", r, " of ", n);
   ensure_workspace(n);
+  const int64_t m = int64_t(logit_rows.size());
+  if (m > 0) ensure_logit_rows(m);  // allocate before a device backend records the step
+  // A device backend may replay a recorded step of this shape instead of the ops (taps read
+  // intermediates mid-step, so they run the ops).
+  const bool hooks = !tap_;
+  if (!hooks || !be_->begin_step(tokens, pos, n, logit_rows.data(), m)) run_ops(tokens, pos, n, logit_rows);
+  if (hooks) be_->end_step();
+  if (m > 0) be_->download(logits, logits_, size_t(m * a.vocab_size));
+}
+
+// The layer loop of one step: embed, every layer, then norm and head for the requested rows.
+void Model::run_ops(const int32_t* tokens, const TokenPos* pos, int64_t n, const std::vector<int64_t>& logit_rows) {
+  const ModelArgs& a = args_;
   const int64_t D = a.dim;
 
   be_->embed(tokens, n, w_.embed, h_);  // h: [n, dim]
@@ -124,15 +147,9 @@ void Model::forward(const int32_t* tokens, const TokenPos* pos, int64_t n, const
   // logits = head(norm(h[last])) for the requested rows.
   const int64_t m = int64_t(logit_rows.size());
   if (m == 0) return;
-  ensure_logit_rows(m);
-  std::vector<float> host_row(static_cast<size_t>(D));
-  for (int64_t r = 0; r < m; ++r) {  // gather through the host: rows are few
-    be_->download(host_row.data(), h_ + logit_rows[size_t(r)] * D, size_t(D));
-    be_->upload(last_ + r * D, host_row.data(), size_t(D));
-  }
+  be_->gather_rows(h_, D, logit_rows.data(), m, last_);  // [m, dim]
   be_->rmsnorm(last_, m, D, D, w_.norm, a.rms_norm_eps, last_);
   be_->linear(last_, m, w_.head, logits_);
-  be_->download(logits, logits_, size_t(m * a.vocab_size));
 }
 
 }  // namespace dsv3

@@ -22,13 +22,19 @@ struct ModelOptions {
 class Model {
  public:
   Model(std::unique_ptr<Checkpoint> ck, std::unique_ptr<Backend> backend, const ModelOptions& opt);
+  // A model over weights already in the backend's memory (prepare_weights is not called), e.g.
+  // random device weights for a benchmark. It has no checkpoint: checkpoint() is an error.
+  Model(const ModelArgs& args, ModelWeights w, std::unique_ptr<Backend> backend, const ModelOptions& opt);
   ~Model();
   Model(const Model&) = delete;
   Model& operator=(const Model&) = delete;
 
   const ModelArgs& args() const { return args_; }
   const ModelWeights& weights() const { return w_; }
-  const Checkpoint& checkpoint() const { return *ck_; }
+  const Checkpoint& checkpoint() const {
+    DSV3_CHECK(ck_, "this model was built from weights, not a checkpoint");
+    return *ck_;
+  }
   int max_slots() const { return opt_.max_slots; }
   int max_len() const { return opt_.max_len; }
 
@@ -50,6 +56,8 @@ class Model {
                float* logits);
 
  private:
+  void init();
+  void run_ops(const int32_t* tokens, const TokenPos* pos, int64_t n, const std::vector<int64_t>& logit_rows);
   void ensure_workspace(int64_t n);
   void tap(const char* what, int layer, const float* buf, int64_t n, int64_t cols);
   Tap tap_;
