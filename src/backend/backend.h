@@ -14,6 +14,7 @@
 namespace dsv3 {
 
 class RopeTable;
+class ThreadPool;
 
 // Where each token of a batch sits: its cache slot and position. Host memory.
 struct TokenPos {
@@ -87,10 +88,20 @@ class Backend {
   virtual void moe(const ModelArgs& a, const MoEWeights& w, const float* x, int64_t n, float* y) = 0;
   // Dense MLP: y[n, dim] = w2(silu(w1 x) * w3 x).
   virtual void mlp(const MLPWeights& w, const float* x, int64_t n, float* y) = 0;
+
+  // Optional instrumentation for benchmarks: how many (layer, routed expert) pairs moe() has run
+  // since the last reset_counters() (an expert used by several tokens of one call counts once);
+  // -1 when the backend does not count.
+  virtual int64_t routed_experts_run() const { return -1; }
+  virtual void reset_counters() {}
 };
 
 // The scalar float32 backend: the oracle (multi-threaded over the global ThreadPool).
 std::unique_ptr<Backend> make_ref_backend();
+// The SIMD CPU backend (backend/cpu/): the best instruction set this CPU has (capped by the
+// environment variable DSV3_CPU_ISA=scalar|avx2|avx512), or the named one ("" = best).
+// `pool`: the threads to use (default: ThreadPool::global()); must outlive the backend.
+std::unique_ptr<Backend> make_cpu_backend(const std::string& isa = "", ThreadPool* pool = nullptr);
 #ifdef DSV3_HAVE_CUDA
 std::unique_ptr<Backend> make_cuda_backend();  // backend/cuda/; throws Error without a usable GPU
 #endif

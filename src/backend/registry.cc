@@ -5,7 +5,7 @@
 namespace dsv3 {
 
 std::vector<std::string> backend_names() {
-  std::vector<std::string> v = {"ref"};
+  std::vector<std::string> v = {"ref", "cpu"};
 #ifdef DSV3_HAVE_CUDA
   v.push_back("cuda");
 #endif
@@ -14,6 +14,7 @@ std::vector<std::string> backend_names() {
 
 std::unique_ptr<Backend> make_backend(const std::string& name) {
   if (name == "ref") return make_ref_backend();
+  if (name == "cpu") return make_cpu_backend();
 #ifdef DSV3_HAVE_CUDA
   if (name == "cuda") return make_cuda_backend();
 #endif

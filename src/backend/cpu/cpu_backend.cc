@@ -1,0 +1,361 @@
+// The "cpu" backend: the ops of backend.h on the SIMD kernels of kernels.h, split over the one
+// global ThreadPool. Weights stay in the checkpoint's mmap (FP8 is dequantised in registers);
+// activations are float32 between ops. MoE runs once per active expert over the tokens routed to
+// it (w1 and w3 in one pass, parallel over experts x row tiles); MLA uses the absorbed form over
+// the latent cache (the naive form goes to the ref backend).
+#include <sys/mman.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <map>
+#include <memory>
+#include <vector>
+
+#include "backend/backend.h"
+#include "backend/cpu/kernels.h"
+#include "core/dtype.h"
+#include "core/error.h"
+#include "core/thread_pool.h"
+#include "model/gate.h"
+#include "model/rope.h"
+
+namespace dsv3 {
+namespace {
+
+using cpu::Isa;
+using cpu::Kernels;
+using cpu::Scratch;
+
+constexpr size_t kMmapThreshold = size_t(1) << 20;  // bytes; larger buffers come zeroed from mmap
+
+// A float32 vector that grows and never shrinks (workspace).
+struct Grow {
+  std::vector<float> v;
+  float* get(size_t n) {
+    if (v.size() < n) v.resize(n);
+    return v.data();
+  }
+};
+
+// One expert's share of a MoE call: the tokens routed to it and their weights.
+struct ExpertJob {
+  const MLPWeights* w = nullptr;
+  std::vector<int32_t> rows;  // token indices
+  std::vector<float> wts;     // routing weight per token
+  const float* x = nullptr;   // [m, dim] gathered activations (or the input itself)
+  float* h = nullptr;         // [m, inter] silu(w1 x) * w3 x
+  int64_t inter = 0;
+};
+
+struct TileItem {
+  int32_t job;
+  int64_t r0, nr;
+};
+
+class CpuBackend final : public Backend {
+ public:
+  CpuBackend(Isa isa, ThreadPool* pool)
+      : pool_(pool ? *pool : ThreadPool::global()), k_(cpu::kernels(isa)), f32k_(cpu::isa_supported(Isa::kAvx2) ? cpu::kAvx2Kernels : cpu::kScalarKernels),
+        ref_(make_ref_backend()) {}
+  ~CpuBackend() override {
+    for (auto& [p, n] : mapped_) ::munmap(p, n);
+  }
+
+  std::string name() const override { return "cpu"; }
+
+  float* alloc(size_t n) override {
+    const size_t bytes = std::max<size_t>(n, 1) * sizeof(float);
+    if (bytes >= kMmapThreshold) {
+      // Anonymous pages are zero and cost no memory until touched: a KV cache sized for the
+      // budget only becomes resident as sequences grow.
+      void* p = ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+      if (p == MAP_FAILED) fail("cannot allocate ", bytes, " bytes for the cpu backend");
+      mapped_[p] = bytes;
+      return static_cast<float*>(p);
+    }
+    float* p = static_cast<float*>(std::aligned_alloc(64, (bytes + 63) & ~size_t(63)));
+    if (!p) fail("cannot allocate ", bytes, " bytes for the cpu backend");
+    std::memset(p, 0, bytes);
+    return p;
+  }
+  void release(float* p) override {
+    if (!p) return;
+    auto it = mapped_.find(p);
+    if (it != mapped_.end()) {
+      ::munmap(it->first, it->second);
+      mapped_.erase(it);
+    } else {
+      std::free(p);
+    }
+  }
+  void upload(float* dst, const float* host, size_t n) override { std::memcpy(dst, host, n * 4); }
+  void download(float* host, const float* src, size_t n) override { std::memcpy(host, src, n * 4); }
+
+  void embed(const int32_t* tokens, int64_t n, const TensorView& table, float* y) override {
+    const int64_t d = table.dim(1);
+    for (int64_t i = 0; i < n; ++i) row_to_f32(table, tokens[i], d, y + i * d);
+  }
+
+  void rmsnorm(const float* x, int64_t n, int64_t d, int64_t stride, const TensorView& w, float eps,
+               float* y) override {
+    const float* wf = vec_f32(w, d, norm_w_);
+    if (n * d < (1 << 16)) {
+      k_.rmsnorm(x, stride, n, d, wf, eps, y, stride);
+      return;
+    }
+    pool_.parallel_for(n, [&](int64_t b, int64_t e, int) { k_.rmsnorm(x + b * stride, stride, e - b, d, wf, eps, y + b * stride, stride); });
+  }
+
+  void linear(const float* x, int64_t n, const Linear& w, float* y) override { linear_k(k_, x, n, w, y); }
+
+  void add(float* y, const float* x, int64_t n) override { k_.axpy(1.f, x, n, y); }
+
+  void mla(const ModelArgs& a, AttnImpl impl, const AttnWeights& w, const RopeTable& rope, const TokenPos* tp,
+           int64_t n, float* q, float* kv, const LayerCache& cache, int64_t max_len, float* out) override {
+    if (impl == AttnImpl::kNaive) {  // the full K/V cache form: the reference implementation
+      ref_->mla(a, impl, w, rope, tp, n, q, kv, cache, max_len, out);
+      return;
+    }
+    mla_absorb(a, w, rope, tp, n, q, kv, cache, max_len, out);
+  }
+
+  void mlp(const MLPWeights& w, const float* x, int64_t n, float* y) override {
+    jobs_.resize(1);
+    ExpertJob& j = jobs_[0];
+    j.w = &w;
+    j.rows.resize(size_t(n));
+    j.wts.assign(size_t(n), 1.f);
+    for (int64_t i = 0; i < n; ++i) j.rows[size_t(i)] = int32_t(i);
+    j.x = x;
+    j.inter = w.w1.out();
+    run_experts(1, x, n, w.w2.out(), y);
+  }
+
+  void moe(const ModelArgs& a, const MoEWeights& w, const float* x, int64_t n, float* y) override {
+    const int64_t E = a.n_routed_experts, K = a.n_activated_experts, D = a.dim;
+    // Router in float32 (as the reference's float32 path): routing decisions are sensitive.
+    float* logits = gate_logits_.get(size_t(n * E));
+    linear_k(f32k_, x, n, Linear{w.gate, {}}, logits);
+    const float* bias = w.bias.empty() ? nullptr : vec_f32(w.bias, E, bias_);
+    idx_.resize(size_t(n * K));
+    wts_.resize(size_t(n * K));
+    std::vector<float> scratch(size_t(2 * E + a.n_expert_groups));
+    for (int64_t i = 0; i < n; ++i)
+      route_token(a, logits + i * E, bias, &idx_[size_t(i * K)], &wts_[size_t(i * K)], scratch.data());
+    // Group tokens by expert: one job per active expert (+ the shared experts over all tokens).
+    expert_job_.assign(size_t(E), -1);
+    int njobs = 0;
+    if (jobs_.size() < size_t(E + 1)) jobs_.resize(size_t(E + 1));
+    for (int64_t i = 0; i < n; ++i)
+      for (int64_t k = 0; k < K; ++k) {
+        const int32_t e = idx_[size_t(i * K + k)];
+        if (expert_job_[size_t(e)] < 0) {
+          expert_job_[size_t(e)] = njobs;
+          ExpertJob& j = jobs_[size_t(njobs++)];
+          j.w = &w.experts[size_t(e)];
+          j.rows.clear();
+          j.wts.clear();
+          j.inter = j.w->w1.out();
+        }
+        ExpertJob& j = jobs_[size_t(expert_job_[size_t(e)])];
+        j.rows.push_back(int32_t(i));
+        j.wts.push_back(wts_[size_t(i * K + k)]);
+      }
+    routed_run_ += njobs;
+    // Gather each routed expert's tokens into one contiguous block.
+    int64_t total = 0;
+    for (int j = 0; j < njobs; ++j) total += int64_t(jobs_[size_t(j)].rows.size());
+    float* xg = gathered_.get(size_t(total * D));
+    for (int j = 0; j < njobs; ++j) {
+      ExpertJob& job = jobs_[size_t(j)];
+      job.x = xg;
+      for (size_t r = 0; r < job.rows.size(); ++r) std::memcpy(xg + r * D, x + job.rows[r] * D, size_t(D) * 4);
+      xg += int64_t(job.rows.size()) * D;
+    }
+    if (w.has_shared) {
+      ExpertJob& j = jobs_[size_t(njobs++)];
+      j.w = &w.shared_experts;
+      j.rows.resize(size_t(n));
+      j.wts.assign(size_t(n), 1.f);
+      for (int64_t i = 0; i < n; ++i) j.rows[size_t(i)] = int32_t(i);
+      j.x = x;
+      j.inter = j.w->w1.out();
+    }
+    run_experts(njobs, x, n, D, y);
+  }
+
+  int64_t routed_experts_run() const override { return routed_run_; }
+  void reset_counters() override { routed_run_ = 0; }
+
+ private:
+  Scratch& scratch(int t) {
+    while (int(scratch_.size()) <= t) scratch_.push_back(std::make_unique<Scratch>());
+    return *scratch_[size_t(t)];
+  }
+  void ensure_scratch() { scratch(pool_.size() - 1); }
+
+  static void row_to_f32(const TensorView& t, int64_t row, int64_t d, float* out) {
+    if (t.dtype == DType::F32) {
+      std::memcpy(out, t.as<float>() + row * d, size_t(d) * 4);
+    } else if (t.dtype == DType::BF16) {
+      const uint16_t* p = t.as<uint16_t>() + row * d;
+      for (int64_t k = 0; k < d; ++k) out[k] = bf16_to_f32(p[k]);
+    } else {
+      for (int64_t k = 0; k < d; ++k) out[k] = load_f32(t, row * d + k);
+    }
+  }
+  static const float* vec_f32(const TensorView& t, int64_t d, Grow& buf) {
+    if (t.dtype == DType::F32) return t.as<float>();
+    float* p = buf.get(size_t(d));
+    row_to_f32(t, 0, d, p);
+    return p;
+  }
+
+  // Rows per work item: FP8 tiles stay inside 128-row scale blocks where there is enough work.
+  static int64_t row_tile(int64_t out, int threads) {
+    int64_t t = 128;
+    while (t > 16 && out < t * threads * 2) t /= 2;
+    return t;
+  }
+
+  void linear_k(const Kernels& k, const float* x, int64_t n, const Linear& w, float* y) {
+    ensure_scratch();
+    const int64_t out = w.out(), in = w.in();
+    const int threads = pool_.size();
+    const int64_t tile = row_tile(out, threads), items = (out + tile - 1) / tile;
+    pool_.parallel_for(items, [&](int64_t b, int64_t e, int t) {
+      Scratch& s = scratch(t);
+      const int64_t r0 = b * tile, r1 = std::min(out, e * tile);
+      k.matmul(x, n, in, w, r0, r1 - r0, y + r0, out, s);
+    });
+  }
+
+  // Experts jobs_[0..njobs): up (w1, w3, activation) over expert x row tiles, then down (w2) over
+  // output row tiles, each tile summing its experts' weighted outputs.
+  void run_experts(int njobs, const float* x, int64_t n, int64_t D, float* y) {
+    ensure_scratch();
+    int64_t hsize = 0;
+    for (int j = 0; j < njobs; ++j) hsize += int64_t(jobs_[size_t(j)].rows.size()) * jobs_[size_t(j)].inter;
+    float* hbuf = hidden_.get(size_t(hsize));
+    items_.clear();
+    const int threads = pool_.size();
+    for (int j = 0; j < njobs; ++j) {
+      ExpertJob& job = jobs_[size_t(j)];
+      job.h = hbuf;
+      hbuf += int64_t(job.rows.size()) * job.inter;
+      const int64_t tile = njobs >= 2 * threads ? 128 : row_tile(job.inter, threads);
+      for (int64_t r = 0; r < job.inter; r += tile) items_.push_back({j, r, std::min(tile, job.inter - r)});
+    }
+    pool_.parallel_for(int64_t(items_.size()), [&](int64_t b, int64_t e, int t) {
+      Scratch& s = scratch(t);
+      for (int64_t it = b; it < e; ++it) {
+        const TileItem& ti = items_[size_t(it)];
+        const ExpertJob& job = jobs_[size_t(ti.job)];
+        const int64_t m = int64_t(job.rows.size());
+        float* h1 = s.get<float>(5, size_t(m * ti.nr));
+        float* h3 = s.get<float>(6, size_t(m * ti.nr));
+        k_.matmul(job.x, m, D, job.w->w1, ti.r0, ti.nr, h1, ti.nr, s);
+        k_.matmul(job.x, m, D, job.w->w3, ti.r0, ti.nr, h3, ti.nr, s);
+        for (int64_t r = 0; r < m; ++r)
+          k_.silu_mul(h1 + r * ti.nr, h3 + r * ti.nr, ti.nr, job.h + r * job.inter + ti.r0);
+      }
+    });
+    const int64_t tile = row_tile(D, threads), items = (D + tile - 1) / tile;
+    pool_.parallel_for(items, [&](int64_t b, int64_t e, int t) {
+      Scratch& s = scratch(t);
+      const int64_t d0 = b * tile, d1 = std::min(D, e * tile), nd = d1 - d0;
+      for (int64_t i = 0; i < n; ++i) std::fill(y + i * D + d0, y + i * D + d1, 0.f);
+      for (int j = 0; j < njobs; ++j) {
+        const ExpertJob& job = jobs_[size_t(j)];
+        const int64_t m = int64_t(job.rows.size());
+        float* tmp = s.get<float>(5, size_t(m * nd));
+        k_.matmul(job.h, m, job.inter, job.w->w2, d0, nd, tmp, nd, s);
+        for (int64_t r = 0; r < m; ++r) k_.axpy(job.wts[size_t(r)], tmp + r * nd, nd, y + job.rows[size_t(r)] * D + d0);
+      }
+    });
+  }
+
+  void mla_absorb(const ModelArgs& a, const AttnWeights& w, const RopeTable& rope, const TokenPos* tp, int64_t n,
+                  float* q, float* kv, const LayerCache& cache, int64_t max_len, float* out) {
+    ensure_scratch();
+    const int64_t H = a.n_heads, nope = a.qk_nope_head_dim, R = a.qk_rope_head_dim, qk = nope + R,
+                  C = a.kv_lora_rank, V = a.v_head_dim;
+    const float scale = a.softmax_scale();
+    const float* kv_norm = vec_f32(w.kv_norm, C, kvnorm_w_);
+    // RoPE on q_pe and k_pe; kv_norm(latent) and k_pe into the cache at (slot, pos).
+    for (int64_t i = 0; i < n; ++i) {
+      DSV3_CHECK(tp[i].pos < rope.n_positions(), "position ", tp[i].pos, " past the rope table");
+      const float* cs = rope.at(tp[i].pos);
+      for (int64_t h = 0; h < H; ++h) apply_rope(q + (i * H + h) * qk + nope, cs, int(R / 2));
+      float* kvi = kv + i * (C + R);
+      apply_rope(kvi + C, cs, int(R / 2));
+      const int64_t row = int64_t(tp[i].slot) * max_len + tp[i].pos;
+      k_.rmsnorm(kvi, C, 1, C, kv_norm, a.rms_norm_eps, cache.kv + row * C, C);
+      std::memcpy(cache.pe + row * R, kvi + C, size_t(R) * 4);
+    }
+    // q absorbed into the latent space: qa[i, h, :] = q_nope[i, h, :] . wkv_b[h, :nope, :]
+    float* qa = qa_.get(size_t(n * H * C));
+    float* ol = ol_.get(size_t(n * H * C));
+    pool_.parallel_for(H, [&](int64_t b, int64_t e, int t) {
+      for (int64_t h = b; h < e; ++h)
+        k_.matmul_t(q + h * qk, n, H * qk, w.wkv_b, h * (nope + V), nope, qa + h * C, H * C, scratch(t));
+    });
+    // Scores over the latent and rope caches, softmax, weighted latent sum: per token and head
+    // group (heads share the cache rows: MQA over the latent).
+    const int threads = pool_.size();
+    int64_t G = H;
+    while (G % 2 == 0 && n * (H / G) < 2 * threads) G /= 2;
+    const int64_t groups = H / G;
+    std::memset(ol, 0, size_t(n * H * C) * 4);
+    pool_.parallel_for(n * groups, [&](int64_t b, int64_t e, int t) {
+      Scratch& s = scratch(t);
+      for (int64_t it = b; it < e; ++it) {
+        const int64_t i = it / groups, h0 = (it % groups) * G, len = tp[i].pos + 1;
+        const float* kvc = cache.kv + int64_t(tp[i].slot) * max_len * C;
+        const float* pec = cache.pe + int64_t(tp[i].slot) * max_len * R;
+        float* sc = s.get<float>(5, size_t(G * len));
+        float* sp = s.get<float>(6, size_t(G * len));
+        k_.gemm_nt_f32(qa + (i * H + h0) * C, C, kvc, C, G, len, C, scale, sc, len);
+        k_.gemm_nt_f32(q + (i * H + h0) * qk + nope, qk, pec, R, G, len, R, scale, sp, len);
+        for (int64_t g = 0; g < G; ++g) {
+          float* row = sc + g * len;
+          k_.axpy(1.f, sp + g * len, len, row);
+          k_.softmax(row, len);
+        }
+        k_.gemm_nn_acc_f32(sc, len, kvc, C, G, len, C, ol + (i * H + h0) * C, C);
+      }
+    });
+    // out[i, h, :] = ol[i, h, :] . wkv_b[h, nope:, :]^T
+    pool_.parallel_for(H, [&](int64_t b, int64_t e, int t) {
+      for (int64_t h = b; h < e; ++h)
+        k_.matmul(ol + h * C, n, H * C, w.wkv_b, h * (nope + V) + nope, V, out + h * V, H * V, scratch(t));
+    });
+  }
+
+  ThreadPool& pool_;
+  const Kernels& k_;
+  const Kernels& f32k_;  // float32 arithmetic (router)
+  std::unique_ptr<Backend> ref_;
+  std::vector<std::unique_ptr<Scratch>> scratch_;
+  std::map<void*, size_t> mapped_;
+  Grow norm_w_, bias_, kvnorm_w_, gate_logits_, gathered_, hidden_, qa_, ol_;
+  std::vector<int32_t> idx_, expert_job_;
+  std::vector<float> wts_;
+  std::vector<ExpertJob> jobs_;
+  std::vector<TileItem> items_;
+  int64_t routed_run_ = 0;
+};
+
+}  // namespace
+
+std::unique_ptr<Backend> make_cpu_backend(const std::string& isa, ThreadPool* pool) {
+  Isa i = cpu::best_isa();
+  if (!isa.empty()) {
+    if (!cpu::parse_isa(isa, &i)) fail("unknown cpu ISA '", isa, "' (scalar, avx2, avx512)");
+    if (!cpu::isa_supported(i)) fail("this CPU does not support ", isa, " (it has: ", cpu::supported_isas(), ")");
+  }
+  return std::make_unique<CpuBackend>(i, pool);
+}
+
+}  // namespace dsv3

@@ -1,0 +1,547 @@
+// AVX-512 kernels: weights (FP8 e4m3 with 128x128 block scales, bf16, f16, f32) become float32
+// in registers (e4m3 through GF(2) affine byte transforms and a byte permute, no tables in
+// memory) and meet float32 activations in FMAs. The FP8 block scale (and the 2^8 of the
+// conversion) is folded into the activations, packed once per 128-row block. Nothing dequantised
+// is written back to memory except a small per-thread panel (4 rows) that the tokens of a large
+// batch share. Why float32 and not bf16 dot products: on the Intel cores we measured, vdpbf16ps
+// retires at half the FLOP rate of FMA, and rounding activations to bf16 misses the golden bar's
+// max error (docs/cpu_backend.md).
+// GCC 12 warns about _mm512_undefined_* inside its own intrinsic headers; not our code.
+#pragma GCC diagnostic ignored "-Wuninitialized"
+#ifndef __clang__
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#endif
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+
+#include "backend/cpu/kernels.h"
+#include "backend/cpu/simd_avx512.h"
+#include "core/dtype.h"
+#include "core/error.h"
+
+namespace dsv3::cpu {
+namespace {
+
+using namespace avx512;
+
+constexpr int64_t kBlock = 128;  // FP8 block size
+
+inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+// --- weights -> float32 in registers ------------------------------------------------------------------
+enum class WT { kFp8, kBf16, kF16, kF32 };
+
+// 64 weights of one row from column k0 (n valid, zeros past them) as four vectors of 16 floats.
+// FP8 values come out times 2^-8 (the caller folds 2^8 and the block scale into x).
+template <WT T>
+DSV3_AVX512_INLINE void load64(const void* row, int64_t k0, int64_t n, const Fp8F32Consts& k, __m512 v[4]) {
+  if constexpr (T == WT::kFp8) {
+    const uint8_t* p = static_cast<const uint8_t*>(row) + k0;
+    fp8_to_f32(n >= 64 ? _mm512_loadu_si512(p) : _mm512_maskz_loadu_epi8(tail_mask64(n), p), k, v);
+  } else if constexpr (T == WT::kF32) {
+    const float* p = static_cast<const float*>(row) + k0;
+    for (int q = 0; q < 4; ++q)
+      v[q] = n >= 64 ? _mm512_loadu_ps(p + 16 * q) : _mm512_maskz_loadu_ps(n > 16 * q ? tail_mask16(n - 16 * q) : 0, p + 16 * q);
+  } else {
+    const uint16_t* p = static_cast<const uint16_t*>(row) + k0;
+    for (int q = 0; q < 4; ++q) {
+      __m256i h = n >= 64 ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 16 * q))
+                          : _mm256_maskz_loadu_epi16(n > 16 * q ? tail_mask16(n - 16 * q) : 0, p + 16 * q);
+      if constexpr (T == WT::kBf16) v[q] = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+      else v[q] = _mm512_cvtph_ps(h);
+    }
+  }
+}
+
+inline int64_t round64(int64_t k) { return (k + 63) / 64 * 64; }
+
+// xs[m][0 .. round64(K)) = x[m][k] * f[k / 128] (f == nullptr: 1), zero padded.
+DSV3_AVX512 void pack_x(const float* x, int64_t M, int64_t ldx, int64_t K, const float* f, float* xs, int64_t ldxs) {
+  const int64_t Kp = round64(K);
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t k = 0; k < Kp; k += 16) {
+      const __m512 fv = _mm512_set1_ps(f ? f[k / kBlock] : 1.f);
+      __m512 v = k + 16 <= K ? _mm512_loadu_ps(x + m * ldx + k)
+                             : _mm512_maskz_loadu_ps(k < K ? tail_mask16(K - k) : 0, x + m * ldx + k);
+      _mm512_storeu_ps(xs + m * ldxs + k, _mm512_mul_ps(v, fv));
+    }
+}
+
+// --- direct kernel (few tokens): each 64-weight chunk converted once, used by all M tokens --------------
+// y[m*ldy + r] = sum_k W[r][k] xs[m][k] for R rows (row stride ldw elements) and M tokens.
+template <WT T, int R, int M>
+DSV3_AVX512 void mk_direct(const void* w, int64_t ldw, int64_t K, const float* xs, int64_t ldxs, float* y, int64_t ldy) {
+  constexpr int NA = M <= 2 ? 2 : 1;  // two chains per (row, token) when there are few of them
+  constexpr size_t esz = T == WT::kFp8 ? 1 : T == WT::kF32 ? 4 : 2;
+  const Fp8F32Consts cst = fp8_f32_consts();
+  __m512 acc[R][M][NA];
+  for (int r = 0; r < R; ++r)
+    for (int m = 0; m < M; ++m)
+      for (int a = 0; a < NA; ++a) acc[r][m][a] = _mm512_setzero_ps();
+  const char* wb = static_cast<const char*>(w);
+  for (int64_t k0 = 0; k0 < K; k0 += 64) {
+    for (int r = 0; r < R; ++r) {
+      __m512 v[4];
+      load64<T>(wb + size_t(r * ldw) * esz, k0, K - k0, cst, v);
+      for (int m = 0; m < M; ++m) {
+        const float* xm = xs + m * ldxs + k0;
+        for (int q = 0; q < 4; ++q)
+          acc[r][m][q % NA] = _mm512_fmadd_ps(v[q], _mm512_loadu_ps(xm + 16 * q), acc[r][m][q % NA]);
+      }
+    }
+  }
+  for (int m = 0; m < M; ++m) {
+    __m512 s[R];
+    for (int r = 0; r < R; ++r) s[r] = NA == 2 ? _mm512_add_ps(acc[r][m][0], acc[r][m][NA - 1]) : acc[r][m][0];
+    if constexpr (R == 4) {
+      _mm_storeu_ps(y + m * ldy, hsum4(s[0], s[1], s[2], s[3]));
+    } else {
+      for (int r = 0; r < R; ++r) y[m * ldy + r] = hsum(s[r]);
+    }
+  }
+}
+
+template <WT T, int M>
+DSV3_AVX512 void direct_rows(const void* w, int64_t ldw, int64_t nr, int64_t K, const float* xs, int64_t ldxs, float* y,
+                             int64_t ldy) {
+  constexpr size_t esz = T == WT::kFp8 ? 1 : T == WT::kF32 ? 4 : 2;
+  const char* wb = static_cast<const char*>(w);
+  int64_t r = 0;
+  for (; r + 4 <= nr; r += 4) mk_direct<T, 4, M>(wb + size_t(r * ldw) * esz, ldw, K, xs, ldxs, y + r, ldy);
+  for (; r < nr; ++r) mk_direct<T, 1, M>(wb + size_t(r * ldw) * esz, ldw, K, xs, ldxs, y + r, ldy);
+}
+
+// Up to 8 tokens: passes of at most 4 over 64-row groups (the second pass finds them in cache).
+template <WT T>
+DSV3_AVX512 void direct_tokens(const void* w, int64_t ldw, int64_t nr, int64_t K, const float* xs, int64_t ldxs,
+                               int64_t M, float* y, int64_t ldy) {
+  constexpr size_t esz = T == WT::kFp8 ? 1 : T == WT::kF32 ? 4 : 2;
+  for (int64_t rb = 0; rb < nr; rb += 64) {
+    const void* wr = static_cast<const char*>(w) + size_t(rb * ldw) * esz;
+    const int64_t n = std::min<int64_t>(64, nr - rb);
+    for (int64_t m = 0; m < M; m += 4) {
+      const float* xm = xs + m * ldxs;
+      float* ym = y + m * ldy + rb;
+      switch (std::min<int64_t>(4, M - m)) {
+        case 1: direct_rows<T, 1>(wr, ldw, n, K, xm, ldxs, ym, ldy); break;
+        case 2: direct_rows<T, 2>(wr, ldw, n, K, xm, ldxs, ym, ldy); break;
+        case 3: direct_rows<T, 3>(wr, ldw, n, K, xm, ldxs, ym, ldy); break;
+        default: direct_rows<T, 4>(wr, ldw, n, K, xm, ldxs, ym, ldy); break;
+      }
+    }
+  }
+}
+
+// --- panel kernel (many tokens): R float32 rows x T tokens, 24 accumulators -----------------------------
+template <int R, int T>
+DSV3_AVX512 void mk_panel(const float* p, int64_t ldp, const float* xs, int64_t ldxs, int64_t Kp, float* y, int64_t ldy) {
+  __m512 acc[R][T];
+  for (int r = 0; r < R; ++r)
+    for (int t = 0; t < T; ++t) acc[r][t] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < Kp; k += 16) {
+    __m512 wv[R];
+    for (int r = 0; r < R; ++r) wv[r] = _mm512_loadu_ps(p + r * ldp + k);
+    for (int t = 0; t < T; ++t) {
+      const __m512 xv = _mm512_loadu_ps(xs + t * ldxs + k);
+      for (int r = 0; r < R; ++r) acc[r][t] = _mm512_fmadd_ps(wv[r], xv, acc[r][t]);
+    }
+  }
+  for (int t = 0; t < T; ++t) {
+    if constexpr (R == 4) {
+      _mm_storeu_ps(y + t * ldy, hsum4(acc[0][t], acc[1][t], acc[2][t], acc[3][t]));
+    } else {
+      for (int r = 0; r < R; ++r) y[t * ldy + r] = hsum(acc[r][t]);
+    }
+  }
+}
+
+template <int R>
+DSV3_AVX512 void panel_tokens(const float* p, int64_t ldp, const float* xs, int64_t ldxs, int64_t M, int64_t Kp, float* y,
+                              int64_t ldy) {
+  int64_t m = 0;
+  for (; m + 6 <= M; m += 6) mk_panel<R, 6>(p, ldp, xs + m * ldxs, ldxs, Kp, y + m * ldy, ldy);
+  const float* xm = xs + m * ldxs;
+  float* ym = y + m * ldy;
+  switch (M - m) {
+    case 5: mk_panel<R, 5>(p, ldp, xm, ldxs, Kp, ym, ldy); break;
+    case 4: mk_panel<R, 4>(p, ldp, xm, ldxs, Kp, ym, ldy); break;
+    case 3: mk_panel<R, 3>(p, ldp, xm, ldxs, Kp, ym, ldy); break;
+    case 2: mk_panel<R, 2>(p, ldp, xm, ldxs, Kp, ym, ldy); break;
+    case 1: mk_panel<R, 1>(p, ldp, xm, ldxs, Kp, ym, ldy); break;
+    default: break;
+  }
+}
+
+// Rows [0, nr) of float32 rows (stride ldp, Kp padded columns) for M tokens.
+DSV3_AVX512 void panel_rows(const float* p, int64_t ldp, int64_t nr, const float* xs, int64_t ldxs, int64_t M, int64_t Kp,
+                            float* y, int64_t ldy) {
+  int64_t r = 0;
+  for (; r + 4 <= nr; r += 4) panel_tokens<4>(p + r * ldp, ldp, xs, ldxs, M, Kp, y + r, ldy);
+  for (; r < nr; ++r) panel_tokens<1>(p + r * ldp, ldp, xs, ldxs, M, Kp, y + r, ldy);
+}
+
+template <WT T>
+DSV3_AVX512 void to_panel(const void* w, int64_t ldw, int64_t nr, int64_t K, float* panel, int64_t ldp) {
+  constexpr size_t esz = T == WT::kFp8 ? 1 : T == WT::kF32 ? 4 : 2;
+  const Fp8F32Consts cst = fp8_f32_consts();
+  for (int64_t r = 0; r < nr; ++r)
+    for (int64_t k0 = 0; k0 < ldp; k0 += 64) {
+      __m512 v[4];
+      load64<T>(static_cast<const char*>(w) + size_t(r * ldw) * esz, k0, K - k0, cst, v);
+      for (int q = 0; q < 4; ++q) _mm512_storeu_ps(panel + r * ldp + k0 + 16 * q, v[q]);
+    }
+}
+
+// Token tile for many tokens: enough to amortise a panel conversion, few enough that their packed
+// activations stay in L2.
+int64_t token_tile(int64_t M, int64_t Kp) {
+  int64_t t = (512 * 1024) / std::max<int64_t>(1, Kp * 4);
+  t = std::clamp<int64_t>(t, 12, 96) / 6 * 6;
+  return std::min(M, t);
+}
+
+template <WT T>
+DSV3_AVX512 void rows_any(const void* w, int64_t ldw, int64_t nr, int64_t K, const float* xs, int64_t ldxs, int64_t M,
+                          float* y, int64_t ldy, Scratch& s) {
+  if (M <= 8) {
+    direct_tokens<T>(w, ldw, nr, K, xs, ldxs, M, y, ldy);
+    return;
+  }
+  constexpr size_t esz = T == WT::kFp8 ? 1 : T == WT::kF32 ? 4 : 2;
+  const int64_t Kp = round64(K);
+  float* panel = s.get<float>(2, size_t(4 * Kp));
+  for (int64_t p = 0; p < nr; p += 4) {
+    const int64_t np = std::min<int64_t>(4, nr - p);
+    to_panel<T>(static_cast<const char*>(w) + size_t(p * ldw) * esz, ldw, np, K, panel, Kp);
+    panel_rows(panel, Kp, np, xs, ldxs, M, Kp, y + p, ldy);
+  }
+}
+
+template <WT T>
+DSV3_AVX512 void matmul_dt(const float* x, int64_t M, int64_t ldx, const Linear& wl, int64_t r0, int64_t nr, float* y,
+                           int64_t ldy, Scratch& s) {
+  const int64_t K = wl.in(), Kp = round64(K), mt = M <= 8 ? M : token_tile(M, Kp);
+  float* xs = s.get<float>(0, size_t(mt * Kp));
+  if constexpr (T == WT::kFp8) {
+    const int64_t kb = ceil_div(K, kBlock);
+    const uint8_t* w = wl.weight.as<uint8_t>();
+    const float* sc = wl.scale.as<float>();
+    float* f = s.get<float>(1, size_t(kb));
+    for (int64_t r = r0; r < r0 + nr;) {  // one 128-row scale block at a time
+      const int64_t nb = r / kBlock, re = std::min(r0 + nr, (nb + 1) * kBlock);
+      for (int64_t j = 0; j < kb; ++j) f[j] = sc[nb * kb + j] * 256.f;
+      for (int64_t m0 = 0; m0 < M; m0 += mt) {
+        const int64_t mm = std::min(mt, M - m0);
+        pack_x(x + m0 * ldx, mm, ldx, K, f, xs, Kp);
+        rows_any<T>(w + r * K, K, re - r, K, xs, Kp, mm, y + m0 * ldy + (r - r0), ldy, s);
+      }
+      r = re;
+    }
+  } else {
+    constexpr size_t esz = T == WT::kF32 ? 4 : 2;
+    const char* w = static_cast<const char*>(wl.weight.data) + size_t(r0 * K) * esz;
+    for (int64_t m0 = 0; m0 < M; m0 += mt) {
+      const int64_t mm = std::min(mt, M - m0);
+      pack_x(x + m0 * ldx, mm, ldx, K, nullptr, xs, Kp);
+      rows_any<T>(w, K, nr, K, xs, Kp, mm, y + m0 * ldy, ldy, s);
+    }
+  }
+}
+
+DSV3_AVX512 void matmul_avx512(const float* x, int64_t M, int64_t ldx, const Linear& wl, int64_t r0, int64_t nr,
+                               float* y, int64_t ldy, Scratch& s) {
+  if (M <= 0 || nr <= 0) return;
+  switch (wl.weight.dtype) {
+    case DType::F8_E4M3: return matmul_dt<WT::kFp8>(x, M, ldx, wl, r0, nr, y, ldy, s);
+    case DType::BF16: return matmul_dt<WT::kBf16>(x, M, ldx, wl, r0, nr, y, ldy, s);
+    case DType::F16: return matmul_dt<WT::kF16>(x, M, ldx, wl, r0, nr, y, ldy, s);
+    case DType::F32: return matmul_dt<WT::kF32>(x, M, ldx, wl, r0, nr, y, ldy, s);
+    default: fail("matmul: unsupported weight dtype ", dtype_name(wl.weight.dtype));
+  }
+}
+
+// --- transposed product: y[m][c] = sum_d x[m][d] W[d0 + d][c] -------------------------------------------
+// Few tokens: each row chunk is converted once and meets the broadcast x[m][d] (times the block
+// scale of (d, c), folded per 128-column block) in M tokens' accumulators.
+template <WT T, int M>
+DSV3_AVX512 void t_direct(const float* x, int64_t ldx, const Linear& wl, int64_t d0, int64_t nd, float* y, int64_t ldy,
+                          Scratch& s) {
+  constexpr size_t esz = T == WT::kFp8 ? 1 : T == WT::kF32 ? 4 : 2;
+  const int64_t C = wl.in(), kb = ceil_div(C, kBlock);
+  const char* w = static_cast<const char*>(wl.weight.data);
+  const Fp8F32Consts cst = fp8_f32_consts();
+  float* xs = s.get<float>(3, size_t(M * nd));
+  const int64_t nblocks = T == WT::kFp8 ? kb : 1;
+  for (int64_t cb = 0; cb < nblocks; ++cb) {
+    for (int m = 0; m < M; ++m)
+      for (int64_t d = 0; d < nd; ++d)
+        xs[m * nd + d] = T == WT::kFp8 ? x[m * ldx + d] * wl.scale.as<float>()[((d0 + d) / kBlock) * kb + cb] * 256.f
+                                       : x[m * ldx + d];
+    const int64_t c_end = T == WT::kFp8 ? std::min(C, (cb + 1) * kBlock) : C;
+    for (int64_t c0 = T == WT::kFp8 ? cb * kBlock : 0; c0 < c_end; c0 += 64) {
+      const int64_t ncol = std::min<int64_t>(64, C - c0);
+      __m512 acc[M][4];
+      for (int m = 0; m < M; ++m)
+        for (int q = 0; q < 4; ++q) acc[m][q] = _mm512_setzero_ps();
+      for (int64_t d = 0; d < nd; ++d) {
+        __m512 v[4];
+        load64<T>(w + size_t((d0 + d) * C) * esz, c0, ncol, cst, v);
+        for (int m = 0; m < M; ++m) {
+          const __m512 b = _mm512_set1_ps(xs[m * nd + d]);
+          for (int q = 0; q < 4; ++q) acc[m][q] = _mm512_fmadd_ps(v[q], b, acc[m][q]);
+        }
+      }
+      for (int m = 0; m < M; ++m)
+        for (int q = 0; q < 4 && 16 * q < ncol; ++q)
+          _mm512_mask_storeu_ps(y + m * ldy + c0 + 16 * q, tail_mask16(ncol - 16 * q), acc[m][q]);
+    }
+  }
+}
+
+template <WT T>
+DSV3_AVX512 void t_direct_tokens(const float* x, int64_t M, int64_t ldx, const Linear& wl, int64_t d0, int64_t nd,
+                                 float* y, int64_t ldy, Scratch& s) {
+  for (int64_t m = 0; m < M; m += 4) {
+    const float* xm = x + m * ldx;
+    float* ym = y + m * ldy;
+    switch (std::min<int64_t>(4, M - m)) {
+      case 1: t_direct<T, 1>(xm, ldx, wl, d0, nd, ym, ldy, s); break;
+      case 2: t_direct<T, 2>(xm, ldx, wl, d0, nd, ym, ldy, s); break;
+      case 3: t_direct<T, 3>(xm, ldx, wl, d0, nd, ym, ldy, s); break;
+      default: t_direct<T, 4>(xm, ldx, wl, d0, nd, ym, ldy, s); break;
+    }
+  }
+}
+
+// Many tokens: a transposed float32 copy of the block (scales applied), then the panel kernel.
+DSV3_AVX512 void matmul_t_generic(const float* x, int64_t M, int64_t ldx, const Linear& wl, int64_t d0, int64_t nd,
+                                  float* y, int64_t ldy, Scratch& s) {
+  const int64_t C = wl.in(), ndp = round64(nd);
+  float* wt = s.get<float>(4, size_t(C * ndp));
+  const int64_t kb = ceil_div(C, kBlock);
+  for (int64_t c = 0; c < C; ++c) std::fill(wt + c * ndp + nd, wt + (c + 1) * ndp, 0.f);
+  for (int64_t d = 0; d < nd; ++d) {
+    const int64_t row = d0 + d;
+    if (wl.fp8()) {
+      const uint8_t* q = wl.weight.as<uint8_t>() + row * C;
+      const float* sr = wl.scale.as<float>() + (row / kBlock) * kb;
+      for (int64_t c = 0; c < C; ++c) wt[c * ndp + d] = e4m3_to_f32(q[c]) * sr[c / kBlock];
+    } else {
+      for (int64_t c = 0; c < C; ++c) wt[c * ndp + d] = load_f32(wl.weight, row * C + c);
+    }
+  }
+  const int64_t mt = token_tile(M, ndp);
+  float* xs = s.get<float>(0, size_t(mt * ndp));
+  for (int64_t m0 = 0; m0 < M; m0 += mt) {
+    const int64_t mm = std::min(mt, M - m0);
+    pack_x(x + m0 * ldx, mm, ldx, nd, nullptr, xs, ndp);
+    panel_rows(wt, ndp, C, xs, ndp, mm, ndp, y + m0 * ldy, ldy);
+  }
+}
+
+DSV3_AVX512 void matmul_t_avx512(const float* x, int64_t M, int64_t ldx, const Linear& wl, int64_t d0, int64_t nd,
+                                 float* y, int64_t ldy, Scratch& s) {
+  if (M <= 0 || nd <= 0) return;
+  if (M > 8) return matmul_t_generic(x, M, ldx, wl, d0, nd, y, ldy, s);
+  switch (wl.weight.dtype) {
+    case DType::F8_E4M3: return t_direct_tokens<WT::kFp8>(x, M, ldx, wl, d0, nd, y, ldy, s);
+    case DType::BF16: return t_direct_tokens<WT::kBf16>(x, M, ldx, wl, d0, nd, y, ldy, s);
+    case DType::F16: return t_direct_tokens<WT::kF16>(x, M, ldx, wl, d0, nd, y, ldy, s);
+    case DType::F32: return t_direct_tokens<WT::kF32>(x, M, ldx, wl, d0, nd, y, ldy, s);
+    default: fail("matmul_t: unsupported weight dtype ", dtype_name(wl.weight.dtype));
+  }
+}
+
+// --- float32 products for attention ------------------------------------------------------------------
+template <int BM, int BN>
+DSV3_AVX512 void nt_block(const float* a, int64_t lda, const float* b, int64_t ldb, int64_t K, float alpha, float* c,
+                          int64_t ldc) {
+  __m512 acc[BM][BN];
+  for (int i = 0; i < BM; ++i)
+    for (int j = 0; j < BN; ++j) acc[i][j] = _mm512_setzero_ps();
+  int64_t k = 0;
+  for (; k + 16 <= K; k += 16) {
+    __m512 bv[BN];
+    for (int j = 0; j < BN; ++j) bv[j] = _mm512_loadu_ps(b + j * ldb + k);
+    for (int i = 0; i < BM; ++i) {
+      __m512 av = _mm512_loadu_ps(a + i * lda + k);
+      for (int j = 0; j < BN; ++j) acc[i][j] = _mm512_fmadd_ps(av, bv[j], acc[i][j]);
+    }
+  }
+  if (k < K) {
+    const __mmask16 km = tail_mask16(K - k);
+    __m512 bv[BN];
+    for (int j = 0; j < BN; ++j) bv[j] = _mm512_maskz_loadu_ps(km, b + j * ldb + k);
+    for (int i = 0; i < BM; ++i) {
+      __m512 av = _mm512_maskz_loadu_ps(km, a + i * lda + k);
+      for (int j = 0; j < BN; ++j) acc[i][j] = _mm512_fmadd_ps(av, bv[j], acc[i][j]);
+    }
+  }
+  for (int i = 0; i < BM; ++i) {
+    if constexpr (BN == 4) {
+      _mm_storeu_ps(c + i * ldc, _mm_mul_ps(hsum4(acc[i][0], acc[i][1], acc[i][2], acc[i][3]), _mm_set1_ps(alpha)));
+    } else {
+      for (int j = 0; j < BN; ++j) c[i * ldc + j] = alpha * hsum(acc[i][j]);
+    }
+  }
+}
+
+DSV3_AVX512 void gemm_nt_f32_avx512(const float* a, int64_t lda, const float* b, int64_t ldb, int64_t M, int64_t N,
+                                    int64_t K, float alpha, float* c, int64_t ldc) {
+  int64_t i = 0;
+  for (; i + 4 <= M; i += 4) {
+    int64_t j = 0;
+    for (; j + 4 <= N; j += 4) nt_block<4, 4>(a + i * lda, lda, b + j * ldb, ldb, K, alpha, c + i * ldc + j, ldc);
+    for (; j < N; ++j) nt_block<4, 1>(a + i * lda, lda, b + j * ldb, ldb, K, alpha, c + i * ldc + j, ldc);
+  }
+  for (; i < M; ++i) {
+    int64_t j = 0;
+    for (; j + 4 <= N; j += 4) nt_block<1, 4>(a + i * lda, lda, b + j * ldb, ldb, K, alpha, c + i * ldc + j, ldc);
+    for (; j < N; ++j) nt_block<1, 1>(a + i * lda, lda, b + j * ldb, ldb, K, alpha, c + i * ldc + j, ldc);
+  }
+}
+
+template <int BM>
+DSV3_AVX512 void nn_block(const float* p, int64_t ldp, const float* v, int64_t ldv, int64_t N, int64_t J, float* o,
+                          int64_t ldo) {
+  // o[i][0..J) (J <= 64) += sum_n p[i][n] v[n][0..J)
+  __m512 acc[BM][4];
+  __mmask16 km[4];
+  for (int j = 0; j < 4; ++j) km[j] = J > 16 * j ? tail_mask16(J - 16 * j) : 0;
+  for (int i = 0; i < BM; ++i)
+    for (int j = 0; j < 4; ++j) acc[i][j] = _mm512_maskz_loadu_ps(km[j], o + i * ldo + 16 * j);
+  for (int64_t n = 0; n < N; ++n) {
+    __m512 vv[4];
+    for (int j = 0; j < 4; ++j) vv[j] = _mm512_maskz_loadu_ps(km[j], v + n * ldv + 16 * j);
+    for (int i = 0; i < BM; ++i) {
+      __m512 pv = _mm512_set1_ps(p[i * ldp + n]);
+      for (int j = 0; j < 4; ++j) acc[i][j] = _mm512_fmadd_ps(pv, vv[j], acc[i][j]);
+    }
+  }
+  for (int i = 0; i < BM; ++i)
+    for (int j = 0; j < 4; ++j) _mm512_mask_storeu_ps(o + i * ldo + 16 * j, km[j], acc[i][j]);
+}
+
+DSV3_AVX512 void gemm_nn_acc_f32_avx512(const float* p, int64_t ldp, const float* v, int64_t ldv, int64_t M, int64_t N,
+                                        int64_t J, float* o, int64_t ldo) {
+  for (int64_t j0 = 0; j0 < J; j0 += 64) {
+    const int64_t jj = std::min<int64_t>(64, J - j0);
+    int64_t i = 0;
+    for (; i + 4 <= M; i += 4) nn_block<4>(p + i * ldp, ldp, v + j0, ldv, N, jj, o + i * ldo + j0, ldo);
+    for (; i < M; ++i) nn_block<1>(p + i * ldp, ldp, v + j0, ldv, N, jj, o + i * ldo + j0, ldo);
+  }
+}
+
+// --- element-wise ------------------------------------------------------------------------------------
+DSV3_AVX512 void rmsnorm_avx512(const float* x, int64_t sx, int64_t n, int64_t d, const float* w, float eps, float* y,
+                                int64_t sy) {
+  for (int64_t i = 0; i < n; ++i) {
+    const float* xi = x + i * sx;
+    __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps();
+    int64_t k = 0;
+    for (; k + 32 <= d; k += 32) {
+      __m512 v0 = _mm512_loadu_ps(xi + k), v1 = _mm512_loadu_ps(xi + k + 16);
+      a0 = _mm512_fmadd_ps(v0, v0, a0);
+      a1 = _mm512_fmadd_ps(v1, v1, a1);
+    }
+    for (; k < d; k += 16) {
+      __m512 v = _mm512_maskz_loadu_ps(tail_mask16(d - k), xi + k);
+      a0 = _mm512_fmadd_ps(v, v, a0);
+    }
+    const float r = 1.f / std::sqrt(hsum(_mm512_add_ps(a0, a1)) / float(d) + eps);
+    const __m512 rv = _mm512_set1_ps(r);
+    float* yi = y + i * sy;
+    for (k = 0; k < d; k += 16) {
+      const __mmask16 km = tail_mask16(d - k);
+      _mm512_mask_storeu_ps(yi + k, km,
+                            _mm512_mul_ps(_mm512_mul_ps(_mm512_maskz_loadu_ps(km, xi + k), rv), _mm512_maskz_loadu_ps(km, w + k)));
+    }
+  }
+}
+
+DSV3_AVX512 void silu_mul_avx512(const float* a, const float* b, int64_t n, float* h) {
+  const __m512 one = _mm512_set1_ps(1.f);
+  for (int64_t i = 0; i < n; i += 16) {
+    const __mmask16 km = tail_mask16(n - i);
+    __m512 av = _mm512_maskz_loadu_ps(km, a + i), bv = _mm512_maskz_loadu_ps(km, b + i);
+    __m512 sg = _mm512_div_ps(av, _mm512_add_ps(one, exp_ps(_mm512_sub_ps(_mm512_setzero_ps(), av))));
+    _mm512_mask_storeu_ps(h + i, km, _mm512_mul_ps(sg, bv));
+  }
+}
+
+DSV3_AVX512 void axpy_avx512(float alpha, const float* x, int64_t n, float* y) {
+  const __m512 av = _mm512_set1_ps(alpha);
+  for (int64_t i = 0; i < n; i += 16) {
+    const __mmask16 km = tail_mask16(n - i);
+    _mm512_mask_storeu_ps(y + i, km, _mm512_fmadd_ps(av, _mm512_maskz_loadu_ps(km, x + i), _mm512_maskz_loadu_ps(km, y + i)));
+  }
+}
+
+DSV3_AVX512 void softmax_avx512(float* x, int64_t n) {
+  __m512 mx = _mm512_set1_ps(-INFINITY);
+  for (int64_t i = 0; i < n; i += 16) mx = _mm512_max_ps(mx, _mm512_mask_loadu_ps(_mm512_set1_ps(-INFINITY), tail_mask16(n - i), x + i));
+  const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(mx));
+  __m512 sum = _mm512_setzero_ps();
+  for (int64_t i = 0; i < n; i += 16) {
+    const __mmask16 km = tail_mask16(n - i);
+    __m512 e = exp_ps(_mm512_sub_ps(_mm512_maskz_loadu_ps(km, x + i), m));
+    e = _mm512_maskz_mov_ps(km, e);
+    sum = _mm512_add_ps(sum, e);
+    _mm512_mask_storeu_ps(x + i, km, e);
+  }
+  const __m512 inv = _mm512_set1_ps(1.f / hsum(sum));
+  for (int64_t i = 0; i < n; i += 16) {
+    const __mmask16 km = tail_mask16(n - i);
+    _mm512_mask_storeu_ps(x + i, km, _mm512_mul_ps(_mm512_maskz_loadu_ps(km, x + i), inv));
+  }
+}
+
+}  // namespace
+
+// --- peaks for dsv3 bench ------------------------------------------------------------------------------
+DSV3_AVX512 double dp_peak_avx512(long iters) {
+  __m512 acc[24];
+  for (int i = 0; i < 24; ++i) acc[i] = _mm512_setzero_ps();
+  __m512i a = _mm512_set1_epi16(0x3f80), b = _mm512_set1_epi16(0x3f81);
+  for (long it = 0; it < iters; ++it) {
+    for (int i = 0; i < 24; ++i) acc[i] = _mm512_dpbf16_ps(acc[i], (__m512bh)a, (__m512bh)b);
+    __asm__ volatile("" : "+v"(a), "+v"(b));
+  }
+  __m512 s = acc[0];
+  for (int i = 1; i < 24; ++i) s = _mm512_add_ps(s, acc[i]);
+  return hsum(s);
+}
+
+DSV3_AVX512 double fma_peak_avx512(long iters) {
+  __m512 acc[24];
+  for (int i = 0; i < 24; ++i) acc[i] = _mm512_setzero_ps();
+  __m512 a = _mm512_set1_ps(1.f), b = _mm512_set1_ps(1e-8f);
+  for (long it = 0; it < iters; ++it) {
+    for (int i = 0; i < 24; ++i) acc[i] = _mm512_fmadd_ps(a, b, acc[i]);
+    __asm__ volatile("" : "+v"(a), "+v"(b));
+  }
+  __m512 s = acc[0];
+  for (int i = 1; i < 24; ++i) s = _mm512_add_ps(s, acc[i]);
+  return hsum(s);
+}
+
+DSV3_AVX512 float read_sum_avx512(const float* p, int64_t n) {
+  __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+  int64_t i = 0;
+  for (; i + 64 <= n; i += 64) {
+    a0 = _mm512_add_ps(a0, _mm512_loadu_ps(p + i));
+    a1 = _mm512_add_ps(a1, _mm512_loadu_ps(p + i + 16));
+    a2 = _mm512_add_ps(a2, _mm512_loadu_ps(p + i + 32));
+    a3 = _mm512_add_ps(a3, _mm512_loadu_ps(p + i + 48));
+  }
+  float s = hsum(_mm512_add_ps(_mm512_add_ps(a0, a1), _mm512_add_ps(a2, a3)));
+  for (; i < n; ++i) s += p[i];
+  return s;
+}
+
+const Kernels kAvx512Kernels = {Isa::kAvx512,   matmul_avx512,   matmul_t_avx512, gemm_nt_f32_avx512, gemm_nn_acc_f32_avx512,
+                                rmsnorm_avx512, silu_mul_avx512, axpy_avx512,     softmax_avx512};
+
+}  // namespace dsv3::cpu
