@@ -1,0 +1,255 @@
+// dsv3_cuda_bench: the CUDA backend on one GPU with the DeepSeek-V2-Lite ("16B") shape and random
+// weights made directly in device memory (no checkpoint). Measures the card's copy bandwidth,
+// then for bf16 and FP8 weights: decode at batch 1 and 8, and a 1024-token prefill, each beside
+// its floor (decode: weight bytes a step reads / copy bandwidth; prefill: matmul FLOPs / the
+// bf16 matrix rate, or all weight bytes / bandwidth, whichever is larger) and beside the
+// reference's and transformers' speeds on an H200 (bench/anchors_h200.h).
+//
+//   dsv3_cuda_bench [--dtypes bf16,fp8] [--steps 64] [--json FILE] [--quick]
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "anchors_h200.h"
+#include "backend/cuda/cuda_backend.h"
+#include "model/model.h"
+
+using namespace dsv3;
+
+namespace {
+
+// The reference's configs/config_16B.json (FP8: inter_dim 10880, a multiple of the 128 block).
+ModelArgs shape_16b(bool fp8) {
+  ModelArgs a;
+  a.vocab_size = 102400, a.dim = 2048, a.inter_dim = fp8 ? 10880 : 10944, a.moe_inter_dim = 1408;
+  a.n_layers = 27, a.n_dense_layers = 1, a.n_heads = 16;
+  a.n_routed_experts = 64, a.n_shared_experts = 2, a.n_activated_experts = 6;
+  a.n_expert_groups = 1, a.n_limited_groups = 1, a.score_func = "softmax", a.route_scale = 1.f;
+  a.q_lora_rank = 0, a.kv_lora_rank = 512, a.qk_nope_head_dim = 128, a.qk_rope_head_dim = 64, a.v_head_dim = 128;
+  a.max_seq_len = 16384, a.original_seq_len = 4096, a.yarn = true, a.rope_factor = 40.f;
+  a.mscale = 0.707f, a.mscale_all_dim = 0.707f;
+  a.dtype = fp8 ? "fp8" : "bf16";
+  return a;
+}
+
+double now() { return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count(); }
+
+// Multiply-adds of the linears one token runs (attention, dense/shared/routed MLPs, gate).
+double linear_macs_per_token(const ModelArgs& a) {
+  const double H = a.n_heads, qk = a.qk_head_dim(), C = a.kv_lora_rank, R = a.qk_rope_head_dim, V = a.v_head_dim,
+               D = a.dim;
+  double attn = H * qk * D + (C + R) * D + H * (a.qk_nope_head_dim + V) * C + D * H * V;
+  double total = 0;
+  for (int l = 0; l < a.n_layers; ++l) {
+    total += attn;
+    if (a.is_moe_layer(l))
+      total += (a.n_activated_experts + a.n_shared_experts) * 3.0 * D * a.moe_inter_dim + a.n_routed_experts * D;
+    else
+      total += 3.0 * D * a.inter_dim;
+  }
+  return total;
+}
+
+// Attention-core multiply-adds of a T-token prefill from position 0 (absorbed MLA).
+double attention_macs(const ModelArgs& a, int64_t T) {
+  const double H = a.n_heads, C = a.kv_lora_rank, R = a.qk_rope_head_dim, nope = a.qk_nope_head_dim, V = a.v_head_dim;
+  const double pairs = double(T) * double(T + 1) / 2;  // (token, cached position) pairs
+  return a.n_layers * H * (double(T) * (nope * C + C * V) + pairs * (C + R + C));
+}
+
+struct Line {
+  std::string dtype, what, variant;
+  double tok_s = 0, ms = 0, floor_ms = 0, ref = 0, hf = 0;
+};
+std::vector<Line> g_lines;
+
+void report(const Line& l) {
+  g_lines.push_back(l);
+  std::printf("%-5s %-13s %-12s %10.1f tok/s %9.3f ms/step  floor %8.3f ms (%5.1f%%)", l.dtype.c_str(),
+              l.what.c_str(), l.variant.c_str(), l.tok_s, l.ms, l.floor_ms, 100.0 * l.floor_ms / l.ms);
+  if (l.ref > 0) std::printf("  x%.1f reference", l.tok_s / l.ref);
+  if (l.hf > 0) std::printf("  x%.1f transformers", l.tok_s / l.hf);
+  std::printf("\n");
+  std::fflush(stdout);
+}
+
+struct Variant {
+  std::string name;
+  CudaOptions opt;
+  bool decode, prefill;
+};
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  std::vector<std::string> dtypes = {"bf16", "fp8"};
+  int steps = 64;
+  bool quick = false;
+  std::string json;
+  for (int i = 1; i < argc; ++i) {
+    std::string s = argv[i];
+    auto next = [&]() -> std::string {
+      if (i + 1 >= argc) {
+        std::fprintf(stderr, "%s needs a value\n", s.c_str());
+        std::exit(2);
+      }
+      return argv[++i];
+    };
+    if (s == "--dtypes") {
+      dtypes.clear();
+      std::string v = next();
+      for (size_t p = 0; p <= v.size();) {
+        size_t q = v.find(',', p);
+        if (q == std::string::npos) q = v.size();
+        dtypes.push_back(v.substr(p, q - p));
+        p = q + 1;
+      }
+    } else if (s == "--steps") {
+      steps = std::max(1, std::atoi(next().c_str()));
+    } else if (s == "--json") {
+      json = next();
+    } else if (s == "--quick") {
+      quick = true;
+    } else {
+      std::fprintf(stderr, "usage: dsv3_cuda_bench [--dtypes bf16,fp8] [--steps N] [--json FILE] [--quick]\n");
+      return 2;
+    }
+  }
+  std::string why;
+  if (!cuda::device_available(&why)) {
+    std::fprintf(stderr, "dsv3_cuda_bench: %s\n", why.c_str());
+    return 2;
+  }
+  try {
+    cudaDeviceProp prop;
+    cudaGetDeviceProperties(&prop, 0);
+    const double bw = cuda::copy_bandwidth_gbps(size_t(2) << 30, 20);
+    std::printf("device: %s, %d SMs, %.1f GB; copy bandwidth %.0f GB/s (read + write; anchors: %.0f)\n", prop.name,
+                prop.multiProcessorCount, double(prop.totalGlobalMem) / 1e9, bw, anchors::kCopyGBps);
+    const double peak = anchors::kBf16MatmulTFlops * 1e12;
+    for (const std::string& dt : dtypes) {
+      const bool fp8 = dt == "fp8";
+      const ModelArgs a = shape_16b(fp8);
+      std::vector<Variant> vars;
+      CudaOptions base;  // graphs + PDL, float32-grade GEMMs
+      vars.push_back({"default", base, true, true});
+      if (!quick) {
+        CudaOptions o = base;
+        o.fast = true;
+        vars.push_back({"fast", o, false, true});
+        o = base;
+        o.graphs = false;
+        vars.push_back({"nograph", o, true, false});
+        o = base;
+        o.pdl = false;
+        vars.push_back({"nopdl", o, true, false});
+        if (!fp8) {
+          o = base;
+          o.cublas = true;
+          vars.push_back({"cublas", o, false, true});
+          o.fast = true;
+          vars.push_back({"cublas-fast", o, false, true});
+        }
+      }
+      for (const Variant& v : vars) {
+        auto be = make_cuda_backend(v.opt);
+        ModelWeights w = cuda::random_weights(*be, a, 1234);
+        const WeightStats st = weight_stats(a, w);
+        int64_t all_bytes = 0;
+        for (auto& [k, b] : st.bytes_by_dtype) all_bytes += b;
+        ModelOptions mo;
+        mo.max_slots = 8;
+        mo.max_len = 1024 + 64;
+        Model model(a, std::move(w), std::move(be), mo);
+        const int V = a.vocab_size;
+        float* logits = nullptr;
+        cudaMallocHost(&logits, sizeof(float) * size_t(V) * 8);
+        std::mt19937 rng(7);
+        std::uniform_int_distribution<int> tokd(0, V - 1);
+        if (v.decode) {
+          for (int B : {1, 8}) {
+            const int T0 = 16;
+            std::vector<int32_t> tok(size_t(B * T0));
+            for (auto& t : tok) t = tokd(rng);
+            model.forward(tok.data(), B, T0, 0, logits);  // prefill the rows
+            const int warm = 8, n = B == 1 ? steps : std::max(8, steps / 2);
+            double t0 = 0;
+            for (int s = 0; s < warm + n; ++s) {
+              if (s == warm) t0 = now();
+              std::vector<int32_t> step(static_cast<size_t>(B));
+              for (auto& t : step) t = tokd(rng);
+              model.forward(step.data(), B, 1, T0 + s, logits);
+            }
+            const double ms = (now() - t0) * 1e3 / n;
+            // Bytes a step reads: everything but the routed experts, plus the experts B tokens
+            // are expected to use under uniform routing (batch 1: exactly n_activated).
+            const double E = a.n_routed_experts, K = a.n_activated_experts;
+            const double per_expert = double(3 * a.dim * a.moe_inter_dim) * (fp8 ? 1.0 : 2.0);
+            const double moe_layers = a.n_layers - a.n_dense_layers;
+            const double distinct = E * (1.0 - std::pow(1.0 - K / E, B));
+            const double bytes = double(st.decode_bytes_per_token) + moe_layers * per_expert * (distinct - K);
+            Line l;
+            l.dtype = dt, l.what = B == 1 ? "decode b1" : "decode b8", l.variant = v.name;
+            l.tok_s = B * 1e3 / ms, l.ms = ms, l.floor_ms = bytes / (bw * 1e9) * 1e3;
+            l.ref = fp8 ? (B == 1 ? anchors::kRefFp8Bf16GemmDecodeB1 : anchors::kRefFp8DecodeB8)
+                        : (B == 1 ? anchors::kRefBf16DecodeB1 : anchors::kRefBf16DecodeB8);
+            l.hf = B == 1 ? anchors::kHfBf16DecodeB1 : anchors::kHfBf16DecodeB8;
+            report(l);
+          }
+        }
+        if (v.prefill) {
+          const int T = 1024;
+          std::vector<int32_t> tok(static_cast<size_t>(T));
+          for (auto& t : tok) t = tokd(rng);
+          std::vector<double> ts;
+          for (int r = 0; r < 4; ++r) {
+            const double t0 = now();
+            model.forward(tok.data(), 1, T, 0, logits);
+            if (r > 0) ts.push_back(now() - t0);
+          }
+          std::sort(ts.begin(), ts.end());
+          const double ms = ts[ts.size() / 2] * 1e3;
+          const double flops = 2.0 * (linear_macs_per_token(a) * T + attention_macs(a, T));
+          const double floor_ms = std::max(flops / peak, double(all_bytes) / (bw * 1e9)) * 1e3;
+          Line l;
+          l.dtype = dt, l.what = "prefill 1024", l.variant = v.name;
+          l.tok_s = T * 1e3 / ms, l.ms = ms, l.floor_ms = floor_ms;
+          l.ref = fp8 ? anchors::kRefFp8Bf16GemmPrefill1024 : anchors::kRefBf16Prefill1024;
+          l.hf = anchors::kHfBf16Prefill1024;
+          report(l);
+        }
+        cudaFreeHost(logits);
+      }
+    }
+    if (!json.empty()) {
+      FILE* f = std::fopen(json.c_str(), "w");
+      if (!f) {
+        std::fprintf(stderr, "cannot write %s\n", json.c_str());
+        return 1;
+      }
+      std::fprintf(f, "{\"device\": \"%s\", \"copy_GBps\": %.1f, \"runs\": [\n", prop.name, bw);
+      for (size_t i = 0; i < g_lines.size(); ++i) {
+        const Line& l = g_lines[i];
+        std::fprintf(f,
+                     "  {\"dtype\": \"%s\", \"what\": \"%s\", \"variant\": \"%s\", \"tok_s\": %.2f, \"ms\": %.4f, "
+                     "\"floor_ms\": %.4f, \"vs_reference\": %.2f, \"vs_transformers\": %.2f}%s\n",
+                     l.dtype.c_str(), l.what.c_str(), l.variant.c_str(), l.tok_s, l.ms, l.floor_ms,
+                     l.ref > 0 ? l.tok_s / l.ref : 0.0, l.hf > 0 ? l.tok_s / l.hf : 0.0,
+                     i + 1 < g_lines.size() ? "," : "");
+      }
+      std::fprintf(f, "]}\n");
+      std::fclose(f);
+    }
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "dsv3_cuda_bench: %s\n", e.what());
+    return 1;
+  }
+  return 0;
+}

@@ -1,0 +1,93 @@
+#!/usr/bin/env bash
+# One call on a GPU machine: build the CUDA backend's tests and benchmark, run them, keep logs.
+# The device image has nvcc but not the project's other dependencies, so this compiles only what
+# the CUDA tests and benchmark need, with nvcc and g++ directly (nlohmann/json headers and the
+# GoogleTest sources come from .devdeps/, made by `scripts/cuda_device_run.sh --deps` here).
+#
+#   scripts/cuda_device_run.sh --deps            # on the development machine, once
+#   OUT=/tmp/out scripts/cuda_device_run.sh      # on the GPU machine (device tool: carry .devdeps)
+# Environment: TESTS (gtest filter, default all CUDA tests; "none" to skip), BENCH_ARGS (for
+# dsv3_cuda_bench; "none" to skip), SANITIZE=1 (compute-sanitizer memcheck over the op tests).
+set -u
+cd "$(dirname "$0")/.."
+ROOT=$PWD
+DEPS=$ROOT/.devdeps
+
+if [ "${1:-}" = "--deps" ]; then
+  rm -rf "$DEPS" && mkdir -p "$DEPS/include" "$DEPS/gtest"
+  cp -r /usr/include/nlohmann "$DEPS/include/"
+  cp -r /usr/src/googletest/googletest/include /usr/src/googletest/googletest/src "$DEPS/gtest/"
+  grep -qx '/.devdeps/' .git/info/exclude 2>/dev/null || echo '/.devdeps/' >> .git/info/exclude
+  exit 0
+fi
+
+OUT=${OUT:-/tmp/dsv3_out}
+mkdir -p "$OUT"
+B=/tmp/dsv3_cuda_build
+mkdir -p "$B/obj"
+export PATH=/usr/local/cuda/bin:$PATH
+export LD_LIBRARY_PATH=/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}
+log() { echo "== $(date +%T) $*" | tee -a "$OUT/summary.txt"; }
+
+log "device"
+nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv > "$OUT/nvidia-smi.txt" 2>&1
+cat "$OUT/nvidia-smi.txt" | tee -a "$OUT/summary.txt"
+nvcc --version | tail -1 | tee -a "$OUT/summary.txt"
+g++ --version | head -1 | tee -a "$OUT/summary.txt"
+
+CXXFLAGS="-std=c++20 -O2 -g -DDSV3_HAVE_CUDA -I$ROOT/src -I$DEPS/include -I$DEPS/gtest/include -I/usr/local/cuda/include"
+NVFLAGS="-std=c++17 -O3 -lineinfo -DDSV3_HAVE_CUDA -I$ROOT/src -gencode=arch=compute_90a,code=sm_90a -Xptxas -v"
+SRCS="src/core/*.cc src/io/mmap_file.cc src/io/safetensors.cc src/io/checkpoint.cc src/model/config.cc
+      src/model/gate.cc src/model/model.cc src/model/rope.cc src/model/weights.cc src/backend/ref/*.cc
+      src/backend/cuda/*.cc"
+log "build"
+t0=$(date +%s)
+JOBS=${JOBS:-$(nproc)}
+rm -f "$B"/FAILED_*
+compile() {  # src obj compiler flags...  (in the background, at most JOBS at once)
+  local src=$1 obj=$2
+  shift 2
+  while [ "$(jobs -rp | wc -l)" -ge "$JOBS" ]; do wait -n; done
+  ( "$@" -c "$src" -o "$obj" > "$obj.log" 2>&1 || { echo "FAILED $src"; cat "$obj.log"; touch "$B/FAILED_$(basename "$obj")"; } ) &
+}
+for s in src/backend/cuda/*.cu; do compile "$s" "$B/obj/$(echo "$s" | tr / _).o" nvcc $NVFLAGS; done
+for s in $SRCS; do compile "$s" "$B/obj/$(echo "$s" | tr / _).o" g++ $CXXFLAGS; done
+compile "$DEPS/gtest/src/gtest-all.cc" "$B/gtest-all.o" g++ -std=c++17 -O2 -I$DEPS/gtest/include -I$DEPS/gtest
+compile "$DEPS/gtest/src/gtest_main.cc" "$B/gtest_main.o" g++ -std=c++17 -O2 -I$DEPS/gtest/include
+compile tests/cuda_backend_test.cc "$B/test.o" g++ $CXXFLAGS -Itests "-DDSV3_TEST_DATA=\"$ROOT/tests/data\""
+compile bench/cuda_bench.cc "$B/bench.o" g++ $CXXFLAGS -Ibench
+wait
+fail=0
+ls "$B"/FAILED_* > /dev/null 2>&1 && fail=1
+cat $B/obj/*.cu.o.log > "$OUT/ptxas.txt" 2>/dev/null
+LIBS="-L/usr/local/cuda/lib64 -lcublas -lcublasLt -lcudart -lpthread"
+if [ $fail = 0 ]; then
+  g++ -o "$B/tests" "$B/test.o" $B/obj/*.o "$B/gtest-all.o" "$B/gtest_main.o" $LIBS || fail=1
+  g++ -o "$B/bench" "$B/bench.o" $B/obj/*.o $LIBS || fail=1
+fi
+log "build done in $(( $(date +%s) - t0 )) s, fail=$fail"
+[ $fail = 0 ] || exit 1
+
+TESTS=${TESTS:-*Cuda*}
+if [ "$TESTS" != none ]; then
+  log "tests $TESTS"
+  timeout 420 "$B/tests" --gtest_filter="$TESTS" > "$OUT/tests.log" 2>&1
+  log "tests rc=$?"
+  grep -E "^\[  (PASSED|FAILED) |FAILED  \]|tests? from .* ran" "$OUT/tests.log" | tail -40 | tee -a "$OUT/summary.txt"
+  grep -E "rows, max" "$OUT/tests.log" | tee -a "$OUT/summary.txt" | head -40
+fi
+BENCH_ARGS=${BENCH_ARGS:-}
+if [ "$BENCH_ARGS" != none ]; then
+  log "bench $BENCH_ARGS"
+  timeout 400 "$B/bench" --json "$OUT/bench.json" $BENCH_ARGS > "$OUT/bench.log" 2>&1
+  log "bench rc=$?"
+  cat "$OUT/bench.log" | tee -a "$OUT/summary.txt"
+fi
+if [ "${SANITIZE:-0}" = 1 ]; then
+  log "compute-sanitizer memcheck over the op tests"
+  timeout 240 compute-sanitizer --tool memcheck --print-limit 20 "$B/tests" --gtest_filter='CudaOps.*' \
+    > "$OUT/memcheck.log" 2>&1
+  log "memcheck rc=$?"
+  tail -25 "$OUT/memcheck.log" | tee -a "$OUT/summary.txt"
+fi
+log "end"

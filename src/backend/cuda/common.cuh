@@ -1,0 +1,105 @@
+// Device helpers shared by the CUDA kernels: programmatic-dependent-launch waits, warp
+// reductions, bf16/e4m3 decoding, element access to a DevLinear, and the launch wrapper.
+#pragma once
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_fp8.h>
+#include <cuda_runtime.h>
+
+#include <utility>
+
+#include "backend/cuda/kernels.h"
+
+namespace dsv3::cuda {
+
+// Wait until the kernels this one depends on have finished and their writes are visible
+// (a no-op without PDL). Every kernel calls it first, in every block, before any early exit:
+// that keeps completion transitive along the stream.
+__device__ __forceinline__ void pdl_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+// Let the next kernel in the stream be scheduled (it still waits in pdl_wait for our completion).
+__device__ __forceinline__ void pdl_trigger() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;");
+#endif
+}
+
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+__device__ __forceinline__ float warp_max(float v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+  return v;
+}
+
+// Sum over the block (blockDim.x a multiple of 32, at most 1024); every thread gets the result.
+__device__ __forceinline__ float block_sum(float v, float* red /* [33] shared */) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+  v = warp_sum(v);
+  __syncthreads();  // red may still be read by a previous call
+  if (lane == 0) red[warp] = v;
+  __syncthreads();
+  float t = lane < nw ? red[lane] : 0.f;
+  t = warp_sum(t);
+  return t;
+}
+__device__ __forceinline__ float block_max(float v, float* red) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+  v = warp_max(v);
+  __syncthreads();
+  if (lane == 0) red[warp] = v;
+  __syncthreads();
+  float t = lane < nw ? red[lane] : -INFINITY;
+  return warp_max(t);
+}
+
+__device__ __forceinline__ float bf16_bits(uint32_t h) { return __uint_as_float(h << 16); }
+// Two packed bf16 (low half first) to floats.
+__device__ __forceinline__ float2 bf16x2_bits(uint32_t v) {
+  return make_float2(__uint_as_float(v << 16), __uint_as_float(v & 0xffff0000u));
+}
+__device__ __forceinline__ float e4m3_bits(uint32_t b) {
+  __half_raw h = __nv_cvt_fp8_to_halfraw(static_cast<__nv_fp8_storage_t>(b), __NV_E4M3);
+  return __half2float(__half(h));
+}
+// Two packed e4m3 (low byte first) to floats; exact.
+__device__ __forceinline__ float2 e4m3x2_bits(uint32_t v) {
+  __half2_raw h = __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(v & 0xffffu), __NV_E4M3);
+  return __half22float2(__half2(h));
+}
+
+__device__ __forceinline__ float silu(float x) { return x / (1.f + expf(-x)); }
+
+// Element (r, k) of a DevLinear as float (FP8 times its block scale), the slow generic path.
+__device__ __forceinline__ float w_at(const DevLinear& L, int64_t r, int64_t k) {
+  const int64_t rr = L.row0 + r, kk = L.col0 + k, off = rr * L.ld + kk;
+  if (L.t == kBF16) return bf16_bits(static_cast<const uint16_t*>(L.w)[off]);
+  if (L.t == kFP8) return e4m3_bits(static_cast<const uint8_t*>(L.w)[off]) * L.s[(rr >> 7) * L.lds + (kk >> 7)];
+  return static_cast<const float*>(L.w)[off];
+}
+
+template <typename... KArgs, typename... Args>
+void launch(const Launch& L, void (*kernel)(KArgs...), dim3 grid, dim3 block, size_t smem, Args&&... args) {
+  if (grid.x == 0 || grid.y == 0 || grid.z == 0) return;
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = grid;
+  cfg.blockDim = block;
+  cfg.dynamicSmemBytes = smem;
+  cfg.stream = L.stream;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = L.pdl ? 1 : 0;
+  DSV3_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, std::forward<Args>(args)...));
+}
+
+inline unsigned cdiv(int64_t a, int64_t b) { return unsigned((a + b - 1) / b); }
+
+}  // namespace dsv3::cuda

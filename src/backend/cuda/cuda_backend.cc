@@ -1,0 +1,705 @@
+// The CUDA backend: weights copied to device memory once (bf16 and e4m3 kept as stored), float32
+// activations, every op a few kernel launches on one stream (kernels.h), decode steps recorded
+// as CUDA graphs and replayed. The scalar ref backend is the oracle it is tested against.
+#include "backend/cuda/cuda_backend.h"
+
+#include <cublas_v2.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdlib>
+#include <cstring>
+#include <map>
+#include <vector>
+
+#include "backend/cuda/kernels.h"
+#include "core/error.h"
+#include "model/rope.h"
+
+namespace dsv3 {
+
+static_assert(sizeof(TokenPos) == sizeof(cuda::DevPos) && offsetof(TokenPos, pos) == offsetof(cuda::DevPos, pos));
+
+static bool env_flag(const char* name, bool dflt) {
+  const char* v = std::getenv(name);
+  if (!v || !*v) return dflt;
+  return !(std::strcmp(v, "0") == 0 || std::strcmp(v, "false") == 0 || std::strcmp(v, "off") == 0);
+}
+static int env_int(const char* name, int dflt) {
+  const char* v = std::getenv(name);
+  return v && *v ? std::atoi(v) : dflt;
+}
+
+CudaOptions CudaOptions::from_env() {
+  CudaOptions o;
+  o.graphs = env_flag("DSV3_CUDA_GRAPH", o.graphs);
+  o.pdl = env_flag("DSV3_CUDA_PDL", o.pdl);
+  o.fast = env_flag("DSV3_CUDA_FAST", o.fast);
+  o.cublas = env_flag("DSV3_CUDA_CUBLAS", o.cublas);
+  o.gemv_max = env_int("DSV3_CUDA_GEMV_MAX", o.gemv_max);
+  o.graph_max = env_int("DSV3_CUDA_GRAPH_MAX", o.graph_max);
+  return o;
+}
+
+namespace {
+
+using cuda::DevExpert;
+using cuda::DevLinear;
+using cuda::DevPos;
+
+#define CK(call) DSV3_CUDA_CHECK(call)
+
+void cublas_check(cublasStatus_t s, const char* what, const char* file, int line) {
+  if (s != CUBLAS_STATUS_SUCCESS) throw Error(str(file, ":", line, ": cuBLAS error ", int(s), " from ", what));
+}
+#define CB(call) cublas_check((call), #call, __FILE__, __LINE__)
+
+int32_t wtype_of(DType t) {
+  switch (t) {
+    case DType::BF16: return cuda::kBF16;
+    case DType::F8_E4M3: return cuda::kFP8;
+    case DType::F32: return cuda::kF32;
+    default: fail("CUDA backend: device weight of dtype ", dtype_name(t), " (expected BF16, F8_E4M3 or F32)");
+  }
+}
+
+DevLinear dev_linear(const Linear& l) {
+  DevLinear d;
+  d.w = l.weight.data;
+  d.t = wtype_of(l.weight.dtype);
+  d.rows = l.out();
+  d.cols = l.in();
+  d.ld = l.in();
+  if (d.t == cuda::kFP8) {
+    DSV3_CHECK(!l.scale.empty() && l.scale.dtype == DType::F32, "FP8 weight without float32 scales");
+    d.s = l.scale.as<float>();
+    d.lds = (l.in() + 127) / 128;
+  }
+  return d;
+}
+
+// Rows [r0, r0 + rows) and columns [c0, c0 + cols) of a weight.
+DevLinear slice(DevLinear d, int64_t r0, int64_t rows, int64_t c0, int64_t cols) {
+  d.row0 += r0, d.rows = rows, d.col0 += c0, d.cols = cols;
+  return d;
+}
+
+enum class Kind { kLinear, kScale, kNorm, kEmbed, kGate };
+
+// Every tensor of a ModelWeights with its kind (empty views included).
+template <class F>
+void visit(ModelWeights& w, F&& f) {
+  auto lin = [&](Linear& l) {
+    f(l.weight, Kind::kLinear);
+    f(l.scale, Kind::kScale);
+  };
+  auto mlp = [&](MLPWeights& m) {
+    lin(m.w1);
+    lin(m.w2);
+    lin(m.w3);
+  };
+  f(w.embed, Kind::kEmbed);
+  f(w.norm, Kind::kNorm);
+  lin(w.head);
+  for (LayerWeights& L : w.layers) {
+    f(L.attn_norm, Kind::kNorm);
+    f(L.ffn_norm, Kind::kNorm);
+    AttnWeights& a = L.attn;
+    for (Linear* l : {&a.wq, &a.wq_a, &a.wq_b, &a.wkv_a, &a.wkv_b, &a.wo}) lin(*l);
+    f(a.q_norm, Kind::kNorm);
+    f(a.kv_norm, Kind::kNorm);
+    mlp(L.ffn);
+    f(L.moe_w.gate, Kind::kGate);
+    f(L.moe_w.bias, Kind::kNorm);
+    for (MLPWeights& e : L.moe_w.experts) mlp(e);
+    mlp(L.moe_w.shared_experts);
+  }
+}
+
+// The dtype a tensor gets on the device.
+DType device_dtype(const TensorView& t, Kind k) {
+  switch (k) {
+    case Kind::kScale:
+    case Kind::kNorm: return DType::F32;
+    default:
+      if (t.dtype == DType::BF16 || t.dtype == DType::F8_E4M3 || t.dtype == DType::F32) return t.dtype;
+      return DType::F32;  // F16 is widened exactly
+  }
+}
+
+size_t align256(size_t n) { return (n + 255) / 256 * 256; }
+
+struct MoeTable {
+  DevExpert* dev = nullptr;   // [E + S]
+  int S = 0;                  // shared-expert slices
+  int64_t rows13 = 0;         // largest w1.rows
+  int64_t rows2 = 0;          // w2.rows (dim)
+  int32_t wtype = cuda::kBF16;
+  bool gemm = false;          // every expert fits the tensor-core kernel
+};
+
+enum Slot {
+  kTok, kPos, kH, kH2, kS, kPart, kMl, kLat, kKvb, kLogits, kSched, kMoeH, kMoeO, kHi, kLo, kCublasWs, kTopk,
+  kNumSlots
+};
+
+class CudaBackend final : public Backend {
+ public:
+  explicit CudaBackend(const CudaOptions& opt) : opt_(opt) {
+    std::string why;
+    if (!cuda::device_available(&why)) fail("CUDA backend: ", why);
+    CK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
+    int dev = 0;
+    CK(cudaGetDevice(&dev));
+    cudaDeviceProp prop;
+    CK(cudaGetDeviceProperties(&prop, dev));
+    L_.stream = stream_;
+    L_.pdl = opt_.pdl && prop.major >= 9;
+    CK(cudaMallocHost(&staging_, kStagingBytes));
+    CK(cudaEventCreateWithFlags(&staging_done_, cudaEventDisableTiming));
+  }
+
+  ~CudaBackend() override {
+    if (capturing_) {
+      cudaGraph_t g = nullptr;
+      cudaStreamEndCapture(stream_, &g);
+      if (g) cudaGraphDestroy(g);
+    }
+    cudaStreamSynchronize(stream_);
+    drop_graphs();
+    for (auto& s : scratch_)
+      if (s.p) cudaFree(s.p);
+    for (void* p : owned_) cudaFree(p);
+    for (auto& [k, t] : moe_) cudaFree(t.dev);
+    if (rope_dev_) cudaFree(rope_dev_);
+    if (step_dev_) cudaFree(step_dev_);
+    if (cublas_) cublasDestroy(cublas_);
+    cudaFreeHost(staging_);
+    cudaEventDestroy(staging_done_);
+    cudaStreamDestroy(stream_);
+  }
+
+  std::string name() const override { return "cuda"; }
+
+  float* alloc(size_t n) override {
+    no_capture("alloc");
+    void* p = nullptr;
+    CK(cudaMalloc(&p, std::max<size_t>(n, 1) * 4));
+    CK(cudaMemsetAsync(p, 0, std::max<size_t>(n, 1) * 4, stream_));
+    CK(cudaStreamSynchronize(stream_));
+    return static_cast<float*>(p);
+  }
+  void release(float* p) override {
+    no_capture("release");
+    CK(cudaStreamSynchronize(stream_));
+    drop_graphs();  // recorded steps may point at it
+    CK(cudaFree(p));
+  }
+  void upload(float* dst, const float* host, size_t n) override {
+    no_capture("upload");
+    CK(cudaMemcpyAsync(dst, host, n * 4, cudaMemcpyHostToDevice, stream_));
+    CK(cudaStreamSynchronize(stream_));
+  }
+  void download(float* host, const float* src, size_t n) override {
+    no_capture("download");
+    CK(cudaMemcpyAsync(host, src, n * 4, cudaMemcpyDeviceToHost, stream_));
+    CK(cudaStreamSynchronize(stream_));
+  }
+
+  void prepare_weights(const ModelArgs& args, ModelWeights& w) override {
+    size_t total = 0;
+    visit(w, [&](TensorView& t, Kind k) {
+      if (!t.empty()) total += align256(size_t(t.numel()) * dtype_size(device_dtype(t, k)));
+    });
+    char* base = static_cast<char*>(device_bytes(total));
+    size_t at = 0;
+    std::vector<float> conv;
+    visit(w, [&](TensorView& t, Kind k) {
+      if (t.empty()) return;
+      const DType dt = device_dtype(t, k);
+      const size_t bytes = size_t(t.numel()) * dtype_size(dt);
+      const void* src = t.data;
+      if (dt != t.dtype) {
+        DSV3_CHECK(dt == DType::F32);
+        conv.resize(size_t(t.numel()));
+        for (int64_t i = 0; i < t.numel(); ++i) conv[size_t(i)] = load_f32(t, i);
+        src = conv.data();
+      }
+      CK(cudaMemcpy(base + at, src, bytes, cudaMemcpyHostToDevice));
+      t.data = base + at;
+      t.dtype = dt;
+      at += align256(bytes);
+    });
+  }
+
+  ModelWeights random_weights(const ModelArgs& a, uint64_t seed) {
+    ModelWeights w;
+    std::vector<WeightSpec> specs = weight_manifest(a, &w);
+    const bool fp8 = a.dtype == "fp8";
+    uint64_t k = 0;
+    auto make = [&](TensorView& t, DType dt, std::vector<int64_t> shape, float amp, bool constant) {
+      t.dtype = dt;
+      t.shape = std::move(shape);
+      void* p = device_bytes(size_t(t.numel()) * dtype_size(dt));
+      cuda::fill_random(L_, p, wtype_of(dt), t.numel(), amp, seed * 1000003ull + ++k, constant);
+      t.data = p;
+    };
+    for (const WeightSpec& s : specs) {
+      if (s.kind == WeightKind::kBias) continue;  // optional; the random shapes route without it
+      if (s.kind == WeightKind::kLinear) {
+        const int64_t out = s.shape[0], in = s.shape[1];
+        const float amp = std::sqrt(3.f / float(in));
+        if (fp8 && s.name != "head") {
+          make(s.linear->weight, DType::F8_E4M3, s.shape, 1.f, false);
+          make(s.linear->scale, DType::F32, {(out + 127) / 128, (in + 127) / 128}, amp, true);
+        } else {
+          make(s.linear->weight, DType::BF16, s.shape, amp, false);
+        }
+      } else if (s.kind == WeightKind::kNorm) {
+        make(*s.tensor, DType::F32, s.shape, 1.f, true);
+      } else if (s.kind == WeightKind::kEmbed) {
+        make(*s.tensor, DType::BF16, s.shape, 1.f, false);
+      } else {  // gate
+        make(*s.tensor, DType::BF16, s.shape, std::sqrt(3.f / float(s.shape[1])), false);
+      }
+    }
+    CK(cudaStreamSynchronize(stream_));
+    return w;
+  }
+
+  // ---- steps and graphs
+
+  bool begin_step(const int32_t* tokens, const TokenPos* pos, int64_t n, const int64_t* rows, int64_t m) override {
+    if (capturing_) abort_capture();
+    // The step's metadata goes to fixed device buffers in one copy: [tokens n][pos 2n][rows m].
+    const size_t words = size_t(n) * 3 + size_t(m);
+    if (words * 4 > kStagingBytes) return begin_plain(tokens, pos, n, rows, m);
+    if (words > step_cap_) {
+      CK(cudaStreamSynchronize(stream_));
+      drop_graphs();
+      if (step_dev_) CK(cudaFree(step_dev_));
+      step_cap_ = std::max<size_t>(words, 4096);
+      CK(cudaMalloc(&step_dev_, step_cap_ * 4));
+    }
+    CK(cudaEventSynchronize(staging_done_));  // the last step's copy has read the staging buffer
+    int32_t* st = static_cast<int32_t*>(staging_);
+    std::memcpy(st, tokens, size_t(n) * 4);
+    std::memcpy(st + n, pos, size_t(n) * 8);
+    for (int64_t r = 0; r < m; ++r) st[3 * n + r] = int32_t(rows[r]);
+    CK(cudaMemcpyAsync(step_dev_, st, words * 4, cudaMemcpyHostToDevice, stream_));
+    CK(cudaEventRecord(staging_done_, stream_));
+    step_ = {tokens, pos, rows, n, m, true};
+    if (!opt_.graphs || n > opt_.graph_max) return false;
+    GraphKey key{n, std::vector<int64_t>(rows, rows + m)};
+    Graph& g = graphs_[key];
+    if (g.exec) {
+      replay_ = &g;
+      return true;
+    }
+    if (++g.seen >= 2) {  // a shape seen before: record this run of it
+      CK(cudaStreamBeginCapture(stream_, cudaStreamCaptureModeThreadLocal));
+      capturing_ = &g;
+    }
+    return false;
+  }
+
+  void end_step() override {
+    if (replay_) {
+      CK(cudaGraphLaunch(replay_->exec, stream_));
+      replay_ = nullptr;
+    } else if (capturing_) {
+      Graph* g = capturing_;
+      capturing_ = nullptr;
+      cudaGraph_t graph = nullptr;
+      CK(cudaStreamEndCapture(stream_, &graph));
+      const cudaError_t e = cudaGraphInstantiate(&g->exec, graph, 0);
+      cudaGraphDestroy(graph);
+      CK(e);
+      CK(cudaGraphLaunch(g->exec, stream_));
+    }
+    step_.active = false;
+  }
+
+  void gather_rows(const float* x, int64_t d, const int64_t* rows, int64_t m, float* y) override {
+    for (int64_t r = 0; r < m; ++r)  // device-to-device copies: recordable, no host round trip
+      CK(cudaMemcpyAsync(y + r * d, x + rows[r] * d, size_t(d) * 4, cudaMemcpyDeviceToDevice, stream_));
+  }
+
+  // ---- ops
+
+  void embed(const int32_t* tokens, int64_t n, const TensorView& table, float* y) override {
+    const int32_t* tok = step_.active && tokens == step_.tokens && n == step_.n ? step_tok() : upload_ints(tokens, n);
+    cuda::embed(L_, tok, n, table.data, wtype_of(table.dtype), table.dim(1), y);
+  }
+
+  void rmsnorm(const float* x, int64_t n, int64_t d, int64_t stride, const TensorView& w, float eps,
+               float* y) override {
+    DSV3_CHECK(w.dtype == DType::F32, "norm weight not on the device");
+    cuda::rmsnorm(L_, x, n, d, stride, w.as<float>(), eps, y);
+  }
+
+  void add(float* y, const float* x, int64_t n) override { cuda::add(L_, y, x, n); }
+
+  void linear(const float* x, int64_t n, const Linear& w, float* y) override {
+    run_linear(dev_linear(w), x, n, y, w.out());
+  }
+
+  void mlp(const MLPWeights& w, const float* x, int64_t n, float* y) override {
+    const DevLinear w1 = dev_linear(w.w1), w3 = dev_linear(w.w3), w2 = dev_linear(w.w2);
+    const int64_t inter = w1.rows, D = w2.rows;
+    if (n <= opt_.gemv_max || !cuda::gemm_ok(w1) || !cuda::gemm_ok(w2)) {
+      float* h = f32(kH, size_t(n * inter));
+      cuda::gemv(L_, w1, &w3, x, w1.cols, nullptr, n, h, inter);
+      cuda::gemv(L_, w2, nullptr, h, inter, nullptr, n, y, D);
+      return;
+    }
+    float* h = f32(kH, size_t(n * 2 * inter));  // [n, w1 x | w3 x]
+    cuda::gemm(L_, w1, &w3, inter, x, w1.cols, nullptr, false, 0, n, h, 2 * inter, opt_.fast);
+    cuda::gemm(L_, w2, nullptr, 0, h, 2 * inter, nullptr, true, inter, n, y, D, opt_.fast);
+  }
+
+  void moe(const ModelArgs& a, const MoEWeights& w, const float* x, int64_t n, float* y) override {
+    const MoeTable& T = moe_table(a, w);
+    const int E = a.n_routed_experts, K = a.n_activated_experts;
+    // Gate logits [n, E] in float32.
+    float* logits = f32(kLogits, size_t(n * E));
+    run_linear(dev_linear(Linear{w.gate, {}}), x, n, logits, E);
+    cuda::MoeSched s = sched(n, E, K, T.S);
+    cuda::RouteArgs r;
+    r.E = E, r.K = K, r.G = a.n_expert_groups, r.topk_groups = a.n_limited_groups;
+    r.sigmoid = a.score_func != "softmax", r.norm = a.norm_topk_prob, r.route_scale = a.route_scale;
+    cuda::moe_route(L_, r, logits, w.bias.empty() ? nullptr : w.bias.as<float>(), s, nullptr, nullptr);
+    const int64_t P = s.P(), D = a.dim;
+    float* o = f32(kMoeO, size_t(P * D));
+    if (n <= opt_.gemv_max || !T.gemm) {
+      float* h = f32(kMoeH, size_t(P * T.rows13));
+      cuda::moe_gemv(L_, 0, T.dev, T.rows13, T.wtype, s, x, D, h, T.rows13);
+      cuda::moe_gemv(L_, 1, T.dev, T.rows2, T.wtype, s, h, T.rows13, o, D);
+    } else {
+      float* h = f32(kMoeH, size_t(P * 2 * T.rows13));
+      cuda::moe_gemm(L_, 0, T.dev, T.rows13, T.wtype, s, x, D, T.rows13, h, 2 * T.rows13, opt_.fast);
+      cuda::moe_gemm(L_, 1, T.dev, T.rows2, T.wtype, s, h, 2 * T.rows13, T.rows13, o, D, opt_.fast);
+    }
+    cuda::moe_combine(L_, s, o, D, y);
+  }
+
+  void mla(const ModelArgs& a, AttnImpl impl, const AttnWeights& w, const RopeTable& rope, const TokenPos* tp,
+           int64_t n, float* q, float* kv, const LayerCache& cache, int64_t max_len, float* out) override {
+    cuda::MlaDims d;
+    d.H = a.n_heads, d.nope = a.qk_nope_head_dim, d.R = a.qk_rope_head_dim, d.C = a.kv_lora_rank;
+    d.V = a.v_head_dim, d.max_len = max_len, d.scale = a.softmax_scale(), d.eps = a.rms_norm_eps;
+    DSV3_CHECK(max_len <= rope.n_positions(), "rope table shorter than the cache");
+    const DevPos* pos = step_.active && tp == step_.pos && n == step_.n ? step_pos() : upload_pos(tp, n);
+    const float* cs = rope_table(rope);
+    DSV3_CHECK(w.kv_norm.dtype == DType::F32, "kv_norm not on the device");
+    const DevLinear wkv_b = dev_linear(w.wkv_b);
+    const int64_t H = d.H, C = d.C, V = d.V, nope = d.nope;
+    float* S = f32(kS, size_t(n * H * max_len));
+    if (impl == AttnImpl::kAbsorb) {
+      cuda::mla_prep(L_, d, false, pos, n, q, kv, w.kv_norm.as<float>(), cs, cache.kv, cache.pe, nullptr, nullptr);
+      float* qa = f32(kLat, size_t(n * H * C));
+      cuda::mla_qabs(L_, d, wkv_b, q, n, qa);
+      cuda::mla_scores(L_, d, pos, n, qa, q, cache.kv, cache.pe, S);
+      const int ns = cuda::mla_splits(d, n);
+      float* ol = f32(kKvb, size_t(n * H * C));
+      float* part = ns > 1 ? f32(kPart, size_t(ns * n * H * C)) : nullptr;
+      float* ml = ns > 1 ? f32(kMl, size_t(ns * n * H * 2)) : nullptr;
+      cuda::mla_values(L_, d, pos, n, S, cache.kv, ns, part, ml, ol);
+      // out[i, h*V + v] = ol[i, h, :] · wkv_b[h*(nope+V) + nope + v, :], a GEMV per head.
+      const DevLinear wv = slice(wkv_b, nope, V, 0, C);
+      cuda::GemvShift sh;
+      sh.xs = C, sh.ys = V, sh.wrows = nope + V;
+      const bool tc = n > opt_.gemv_max && wv.t != cuda::kF32 && cuda::gemm_ok(wv) &&
+                      (wv.t != cuda::kFP8 || (nope + V) % 128 == 0);
+      if (tc) cuda::gemm(L_, wv, nullptr, 0, ol, H * C, nullptr, false, 0, n, out, H * V, opt_.fast, int(H), sh);
+      else cuda::gemv(L_, wv, nullptr, ol, H * C, nullptr, n, out, H * V, int(H), sh);
+      return;
+    }
+    float* lat = f32(kLat, size_t(n * C));
+    cuda::mla_prep(L_, d, true, pos, n, q, kv, w.kv_norm.as<float>(), cs, nullptr, nullptr, lat, cache.k);
+    float* kvb = f32(kKvb, size_t(n * H * (nope + V)));
+    run_linear(wkv_b, lat, n, kvb, H * (nope + V));
+    cuda::mla_naive_store(L_, d, pos, n, kvb, cache.k, cache.v);
+    cuda::mla_naive_scores(L_, d, pos, n, q, cache.k, S);
+    cuda::mla_naive_values(L_, d, pos, n, S, cache.v, out);
+  }
+
+  // Test hook: the router alone.
+  void route(const ModelArgs& a, const float* logits, const float* bias, int64_t n, int32_t* idx, float* wts) {
+    const int E = a.n_routed_experts, K = a.n_activated_experts;
+    cuda::MoeSched s = sched(n, E, K, 0);
+    cuda::RouteArgs r;
+    r.E = E, r.K = K, r.G = a.n_expert_groups, r.topk_groups = a.n_limited_groups;
+    r.sigmoid = a.score_func != "softmax", r.norm = a.norm_topk_prob, r.route_scale = a.route_scale;
+    int32_t* di = static_cast<int32_t*>(scratch(kTopk, size_t(n * K) * 8));
+    float* dw = reinterpret_cast<float*>(di + n * K);
+    cuda::moe_route(L_, r, logits, bias, s, di, dw);
+    CK(cudaMemcpyAsync(idx, di, size_t(n * K) * 4, cudaMemcpyDeviceToHost, stream_));
+    CK(cudaMemcpyAsync(wts, dw, size_t(n * K) * 4, cudaMemcpyDeviceToHost, stream_));
+    CK(cudaStreamSynchronize(stream_));
+  }
+
+ private:
+  static constexpr size_t kStagingBytes = 1 << 20;
+
+  struct StepInfo {
+    const int32_t* tokens = nullptr;
+    const TokenPos* pos = nullptr;
+    const int64_t* rows = nullptr;
+    int64_t n = 0, m = 0;
+    bool active = false;
+  };
+  struct GraphKey {
+    int64_t n;
+    std::vector<int64_t> rows;
+    bool operator<(const GraphKey& o) const { return n != o.n ? n < o.n : rows < o.rows; }
+  };
+  struct Graph {
+    int seen = 0;
+    cudaGraphExec_t exec = nullptr;
+  };
+  struct Buf {
+    void* p = nullptr;
+    size_t bytes = 0;
+  };
+
+  bool begin_plain(const int32_t* tokens, const TokenPos* pos, int64_t n, const int64_t* rows, int64_t m) {
+    step_ = StepInfo{};  // too large for the staging buffer: ops upload their own metadata
+    return false;
+  }
+  const int32_t* step_tok() const { return static_cast<const int32_t*>(step_dev_); }
+  const DevPos* step_pos() const { return reinterpret_cast<const DevPos*>(static_cast<int32_t*>(step_dev_) + step_.n); }
+
+  void no_capture(const char* what) const {
+    if (capturing_) fail("CUDA backend: ", what, " while recording a step");
+  }
+  void abort_capture() {
+    cudaGraph_t g = nullptr;
+    cudaStreamEndCapture(stream_, &g);
+    if (g) cudaGraphDestroy(g);
+    capturing_->seen = -1000;  // never record this shape again
+    capturing_ = nullptr;
+    cudaGetLastError();
+  }
+  void drop_graphs() {
+    for (auto& [k, g] : graphs_)
+      if (g.exec) cudaGraphExecDestroy(g.exec);
+    graphs_.clear();
+  }
+
+  void* device_bytes(size_t bytes) {
+    no_capture("weight allocation");
+    void* p = nullptr;
+    CK(cudaMalloc(&p, std::max<size_t>(bytes, 1)));
+    owned_.push_back(p);
+    return p;
+  }
+
+  // A scratch buffer of at least `bytes`; grows (and forgets recorded steps) when needed.
+  void* scratch(Slot s, size_t bytes) {
+    Buf& b = scratch_[s];
+    if (b.bytes >= bytes) return b.p;
+    no_capture("scratch growth");
+    CK(cudaStreamSynchronize(stream_));
+    drop_graphs();
+    if (b.p) CK(cudaFree(b.p));
+    b.bytes = align256(bytes + bytes / 4);
+    CK(cudaMalloc(&b.p, b.bytes));
+    return b.p;
+  }
+  float* f32(Slot s, size_t n) { return static_cast<float*>(scratch(s, n * 4)); }
+
+  const int32_t* upload_ints(const int32_t* v, int64_t n) {
+    no_capture("token upload");
+    void* d = scratch(kTok, size_t(n) * 4);
+    CK(cudaMemcpyAsync(d, v, size_t(n) * 4, cudaMemcpyHostToDevice, stream_));
+    CK(cudaStreamSynchronize(stream_));
+    return static_cast<const int32_t*>(d);
+  }
+  const DevPos* upload_pos(const TokenPos* p, int64_t n) {
+    no_capture("position upload");
+    void* d = scratch(kPos, size_t(n) * 8);
+    CK(cudaMemcpyAsync(d, p, size_t(n) * 8, cudaMemcpyHostToDevice, stream_));
+    CK(cudaStreamSynchronize(stream_));
+    return static_cast<const DevPos*>(d);
+  }
+
+  const float* rope_table(const RopeTable& rope) {
+    const float* host = rope.at(0);
+    const size_t n = size_t(rope.n_positions()) * size_t(2 * rope.half());
+    if (host == rope_host_ && n == rope_n_) return rope_dev_;
+    no_capture("rope upload");
+    if (rope_dev_) CK(cudaFree(rope_dev_));
+    CK(cudaMalloc(&rope_dev_, n * 4));
+    CK(cudaMemcpy(rope_dev_, host, n * 4, cudaMemcpyHostToDevice));
+    rope_host_ = host, rope_n_ = n;
+    return rope_dev_;
+  }
+
+  cuda::MoeSched sched(int64_t n, int E, int K, int S) {
+    cuda::MoeSched s;
+    s.n = n, s.E = E, s.K = K, s.S = S;
+    const int64_t NE = s.NE(), P = s.P(), T = s.max_tiles(), Kt = K + S;
+    const size_t words = size_t(3 * NE + 2 + P + 2 * n * Kt + 2 * T);
+    int32_t* b = static_cast<int32_t*>(scratch(kSched, words * 4));
+    s.cnt = b, b += NE;
+    s.off = b, b += NE;
+    s.active = b, b += NE;
+    s.n_active = b++;
+    s.n_tiles = b++;
+    s.perm = b, b += P;
+    s.pair_of = b, b += n * Kt;
+    s.pw = reinterpret_cast<float*>(b), b += n * Kt;
+    s.tile_e = b, b += T;
+    s.tile_m0 = b;
+    return s;
+  }
+
+  const MoeTable& moe_table(const ModelArgs& a, const MoEWeights& w) {
+    const void* key = w.experts.at(0).w1.weight.data;
+    auto it = moe_.find(key);
+    if (it != moe_.end()) return it->second;
+    no_capture("MoE table build");
+    MoeTable T;
+    std::vector<DevExpert> v;
+    for (const MLPWeights& e : w.experts) v.push_back({dev_linear(e.w1), dev_linear(e.w3), dev_linear(e.w2)});
+    if (w.has_shared) {
+      const DevLinear s1 = dev_linear(w.shared_experts.w1), s3 = dev_linear(w.shared_experts.w3),
+                      s2 = dev_linear(w.shared_experts.w2);
+      const int64_t mi = a.moe_inter_dim, ns = s1.rows / std::max<int64_t>(mi, 1);
+      // Slices of moe_inter_dim rows balance the work with the routed experts; FP8 slices must
+      // start on a 128-row scale block for the tensor-core kernel, else one slice.
+      const bool split = ns > 1 && ns * mi == s1.rows && (s1.t != cuda::kFP8 || mi % 128 == 0);
+      const int64_t S = split ? ns : 1, rows = s1.rows / S;
+      for (int64_t j = 0; j < S; ++j)
+        v.push_back({slice(s1, j * rows, rows, 0, s1.cols), slice(s3, j * rows, rows, 0, s3.cols),
+                     slice(s2, 0, s2.rows, j * rows, rows)});
+      T.S = int(S);
+    }
+    T.wtype = v[0].w1.t;
+    T.gemm = true;
+    for (DevExpert& e : v) {
+      for (const DevLinear* l : {&e.w1, &e.w3, &e.w2}) {
+        if (l->t != T.wtype) fail("CUDA backend: MoE layer mixes weight dtypes");
+        T.gemm = T.gemm && cuda::gemm_ok(*l) && l->t != cuda::kF32;
+      }
+      e.vec13 = cuda::vec_ok(e.w1) && cuda::vec_ok(e.w3);
+      e.vec2 = cuda::vec_ok(e.w2);
+      T.rows13 = std::max(T.rows13, e.w1.rows);
+      T.rows2 = std::max(T.rows2, e.w2.rows);
+    }
+    CK(cudaMalloc(&T.dev, v.size() * sizeof(DevExpert)));
+    CK(cudaMemcpy(T.dev, v.data(), v.size() * sizeof(DevExpert), cudaMemcpyHostToDevice));
+    return moe_.emplace(key, T).first->second;
+  }
+
+  // y[n, out] = x[n, in] · Wᵀ.
+  void run_linear(const DevLinear& w, const float* x, int64_t n, float* y, int64_t ldy) {
+    if (n <= opt_.gemv_max || w.t == cuda::kF32 || !cuda::gemm_ok(w)) {
+      cuda::gemv(L_, w, nullptr, x, w.cols, nullptr, n, y, ldy);
+    } else if (opt_.cublas && w.t == cuda::kBF16 && n >= 128 && w.row0 == 0 && w.col0 == 0 && w.ld == w.cols &&
+               !capturing_) {
+      cublas_linear(w, x, n, y, ldy);
+    } else {
+      cuda::gemm(L_, w, nullptr, 0, x, w.cols, nullptr, false, 0, n, y, ldy, opt_.fast);
+    }
+  }
+
+  void cublas_linear(const DevLinear& w, const float* x, int64_t n, float* y, int64_t ldy) {
+    if (!cublas_) {
+      CB(cublasCreate(&cublas_));
+      CB(cublasSetStream(cublas_, stream_));
+      CB(cublasSetWorkspace(cublas_, scratch(kCublasWs, 32 << 20), 32 << 20));
+    }
+    const int64_t in = w.cols, out = w.rows;
+    void* hi = scratch(kHi, size_t(n * in) * 2);
+    void* lo = opt_.fast ? nullptr : scratch(kLo, size_t(n * in) * 2);
+    cuda::split_bf16(L_, x, n * in, hi, lo);
+    const float one = 1.f, zero = 0.f;
+    // Column-major view: y^T [out, n] = W [in, out]^T · x^T [in, n].
+    CB(cublasGemmEx(cublas_, CUBLAS_OP_T, CUBLAS_OP_N, int(out), int(n), int(in), &one, w.w, CUDA_R_16BF, int(w.ld), hi,
+                    CUDA_R_16BF, int(in), &zero, y, CUDA_R_32F, int(ldy), CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+    if (lo)
+      CB(cublasGemmEx(cublas_, CUBLAS_OP_T, CUBLAS_OP_N, int(out), int(n), int(in), &one, w.w, CUDA_R_16BF, int(w.ld),
+                      lo, CUDA_R_16BF, int(in), &one, y, CUDA_R_32F, int(ldy), CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+  }
+
+  CudaOptions opt_;
+  cudaStream_t stream_ = nullptr;
+  cuda::Launch L_;
+  cublasHandle_t cublas_ = nullptr;
+  std::vector<void*> owned_;
+  Buf scratch_[kNumSlots];
+  std::map<const void*, MoeTable> moe_;
+  float* rope_dev_ = nullptr;
+  const float* rope_host_ = nullptr;
+  size_t rope_n_ = 0;
+  void* staging_ = nullptr;
+  cudaEvent_t staging_done_ = nullptr;
+  void* step_dev_ = nullptr;
+  size_t step_cap_ = 0;
+  StepInfo step_;
+  std::map<GraphKey, Graph> graphs_;
+  Graph* capturing_ = nullptr;
+  Graph* replay_ = nullptr;
+};
+
+CudaBackend& as_cuda(Backend& b) {
+  auto* c = dynamic_cast<CudaBackend*>(&b);
+  if (!c) fail("expected the CUDA backend, got '", b.name(), "'");
+  return *c;
+}
+
+}  // namespace
+
+std::unique_ptr<Backend> make_cuda_backend(const CudaOptions& opt) { return std::make_unique<CudaBackend>(opt); }
+std::unique_ptr<Backend> make_cuda_backend() { return make_cuda_backend(CudaOptions::from_env()); }
+
+namespace cuda {
+
+bool device_available(std::string* why) {
+  int n = 0;
+  const cudaError_t e = cudaGetDeviceCount(&n);
+  if (e != cudaSuccess) {
+    if (why) *why = str("no usable CUDA device (", cudaGetErrorString(e), ")");
+    cudaGetLastError();
+    return false;
+  }
+  if (n == 0) {
+    if (why) *why = "no CUDA device";
+    return false;
+  }
+  return true;
+}
+
+ModelWeights random_weights(Backend& b, const ModelArgs& a, uint64_t seed) { return as_cuda(b).random_weights(a, seed); }
+
+void route_for_test(Backend& b, const ModelArgs& a, const float* logits, const float* bias, int64_t n, int32_t* idx,
+                    float* w) {
+  as_cuda(b).route(a, logits, bias, n, idx, w);
+}
+
+double copy_bandwidth_gbps(size_t bytes, int reps) {
+  void *a = nullptr, *b = nullptr;
+  CK(cudaMalloc(&a, bytes));
+  CK(cudaMalloc(&b, bytes));
+  CK(cudaMemset(a, 1, bytes));
+  cudaEvent_t e0, e1;
+  CK(cudaEventCreate(&e0));
+  CK(cudaEventCreate(&e1));
+  CK(cudaMemcpy(b, a, bytes, cudaMemcpyDeviceToDevice));  // warm-up
+  CK(cudaEventRecord(e0));
+  for (int r = 0; r < reps; ++r) CK(cudaMemcpyAsync(r % 2 ? a : b, r % 2 ? b : a, bytes, cudaMemcpyDeviceToDevice));
+  CK(cudaEventRecord(e1));
+  CK(cudaEventSynchronize(e1));
+  float ms = 0;
+  CK(cudaEventElapsedTime(&ms, e0, e1));
+  cudaEventDestroy(e0);
+  cudaEventDestroy(e1);
+  cudaFree(a);
+  cudaFree(b);
+  return 2.0 * double(bytes) * reps / (double(ms) * 1e-3) / 1e9;
+}
+
+}  // namespace cuda
+}  // namespace dsv3

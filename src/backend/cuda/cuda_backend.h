@@ -1,0 +1,45 @@
+// The CUDA backend's options and the entry points beyond the Backend interface: device
+// detection, random weights made directly in device memory (benchmarks), and test hooks.
+#pragma once
+#include <memory>
+#include <string>
+
+#include "backend/backend.h"
+
+namespace dsv3 {
+
+struct CudaOptions {
+  bool graphs = true;   // record decode steps as CUDA graphs and replay them (DSV3_CUDA_GRAPH=0: off)
+  bool pdl = true;      // programmatic dependent launch between kernels (DSV3_CUDA_PDL=0: off)
+  bool fast = false;    // one bf16 pass for activations in tensor-core GEMMs (DSV3_CUDA_FAST=1);
+                        // default: bf16 hi + lo parts, float32-grade results
+  bool cublas = false;  // bf16 dense GEMMs through cuBLAS for many tokens (DSV3_CUDA_CUBLAS=1)
+  int gemv_max = 8;     // the GEMV kernels up to this many tokens, tensor cores above (DSV3_CUDA_GEMV_MAX)
+  int graph_max = 16;   // steps of up to this many tokens are recorded (DSV3_CUDA_GRAPH_MAX)
+  // FP8 weights are always dequantised inside the kernels (no FP8 tensor-core path yet), which is
+  // what DSV3_CUDA_FP8_DEQUANT=1 asks for; the variable is accepted for that reason.
+  static CudaOptions from_env();
+};
+
+std::unique_ptr<Backend> make_cuda_backend(const CudaOptions& opt);
+
+namespace cuda {
+
+// Whether a CUDA device can be used; `why` gets the reason when not.
+bool device_available(std::string* why = nullptr);
+
+// Weights for `a` created directly in `cuda_backend`'s device memory (owned by it): linears in
+// a.dtype ("bf16" or "fp8" e4m3 with 128x128 scales; the head stays bf16), embedding and gate
+// bf16, norms 1. Pseudo-random (seeded), scaled so activations stay O(1). For benchmarks.
+ModelWeights random_weights(Backend& cuda_backend, const ModelArgs& a, uint64_t seed);
+
+// The device router on logits [n, E] already in device memory: expert indices and weights
+// [n, K] to the host, in the order of model/gate.cc's route_token. For tests.
+void route_for_test(Backend& cuda_backend, const ModelArgs& a, const float* logits, const float* bias, int64_t n,
+                    int32_t* indices, float* weights);
+
+// Device-to-device copy bandwidth in GB/s, counting bytes read plus bytes written.
+double copy_bandwidth_gbps(size_t bytes, int reps);
+
+}  // namespace cuda
+}  // namespace dsv3

@@ -1,0 +1,156 @@
+// The CUDA kernels' host-side launchers and the plain structs they share with device code
+// (compiled by both nvcc and the host compiler). All launches go to Launch::stream; with
+// Launch::pdl they may overlap their start with the previous kernel's tail (programmatic
+// dependent launch): every kernel waits for its predecessors before touching memory.
+#pragma once
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#ifdef __CUDACC__
+#define DSV3_HD __host__ __device__
+#else
+#define DSV3_HD
+#endif
+
+namespace dsv3::cuda {
+
+enum WType : int32_t { kBF16 = 0, kFP8 = 1, kF32 = 2 };
+
+// A linear weight on the device, or a rectangle of one: element (r, k), r < rows, k < cols, is
+// w[(row0 + r) * ld + col0 + k]; for FP8 its scale is s[((row0 + r) / 128) * lds + (col0 + k) / 128].
+struct DevLinear {
+  const void* w = nullptr;
+  const float* s = nullptr;
+  int64_t rows = 0, cols = 0, ld = 0, lds = 0, row0 = 0, col0 = 0;
+  int32_t t = kBF16;
+};
+
+// One routed expert (or a slice of the shared experts): w2(silu(w1 x) * w3 x).
+struct DevExpert {
+  DevLinear w1, w3, w2;
+  int32_t vec13 = 0, vec2 = 0;  // vec_ok() of w1 and w3, of w2
+};
+
+struct DevPos {  // same layout as dsv3::TokenPos
+  int32_t slot, pos;
+};
+
+struct Launch {
+  cudaStream_t stream = nullptr;
+  bool pdl = false;
+};
+
+// Throws dsv3::Error with the call's text and file:line when a CUDA call fails.
+void check(cudaError_t e, const char* what, const char* file, int line);
+#define DSV3_CUDA_CHECK(call) ::dsv3::cuda::check((call), #call, __FILE__, __LINE__)
+
+// ---- elementwise (kernels_basic.cu)
+// y[i, :] = table[tok[i], :] as float; table [*, d] of type tt (kBF16 or kF32).
+void embed(const Launch& L, const int32_t* tok, int64_t n, const void* table, int32_t tt, int64_t d, float* y);
+// y[i, :d] = x[i, :d] / rms * w; rows `stride` apart; y may alias x.
+void rmsnorm(const Launch& L, const float* x, int64_t n, int64_t d, int64_t stride, const float* w, float eps,
+             float* y);
+void add(const Launch& L, float* y, const float* x, int64_t n);
+// hi = bf16(x), lo = bf16(x - hi): x ≈ hi + lo to ~2^-16 relative (for the cuBLAS path).
+void split_bf16(const Launch& L, const float* x, int64_t n, void* hi, void* lo);
+// Fills n elements of type t with reproducible pseudo-random values uniform in [-a, a]
+// (FP8: the e4m3 byte of such a value); kF32 with `a` exactly when const_value.
+void fill_random(const Launch& L, void* p, int32_t t, int64_t n, float a, uint64_t seed, bool const_value);
+
+// ---- matrix-vector products for few tokens (kernels_gemv.cu)
+// For token j < m: xj = x + (idx ? idx[j] : j) * ldx. Plain: y[j * ldy + r] = xj · W[r].
+// Fused (w3 given, same shape): y[j * ldy + r] = silu(xj · W[r]) * (xj · W3[r]).
+// `batch` > 1 runs independent copies (blockIdx.y = b) with x, y shifted by b * xs, b * ys
+// elements and the weight rows by b * wrows (attention heads).
+// Whether a weight rectangle can be read in aligned 16-byte chunks.
+bool vec_ok(const DevLinear& w);
+struct GemvShift {
+  int64_t xs = 0, ys = 0, wrows = 0;
+};
+void gemv(const Launch& L, const DevLinear& w, const DevLinear* w3, const float* x, int64_t ldx, const int32_t* idx,
+          int64_t m, float* y, int64_t ldy, int batch = 1, GemvShift shift = {});
+
+// ---- tensor-core GEMM for many tokens (kernels_gemm.cu)
+// C[i, col + r] = A_i · W[r] for i < M, r < W.rows over K = W.cols, where A_i is
+// a + (idx ? idx[i] : i) * lda, or with silu_pair silu(A_i[k]) * A_i[pair_off + k].
+// bf16 tensor cores with float32 accumulation; A is split into bf16 hi + lo parts unless
+// fast (one bf16 pass). Needs gemm_ok(W). Up to two weights (job 1 writes at col1).
+// `batch` > 1 runs independent copies (blockIdx.z = b): a, c shifted by b * xs, b * ys
+// elements and the weight rows by b * wrows (attention heads); gemm_ok must hold for each.
+bool gemm_ok(const DevLinear& w);
+void gemm(const Launch& L, const DevLinear& w0, const DevLinear* w1, int64_t col1, const float* a, int64_t lda,
+          const int32_t* idx, bool silu_pair, int64_t pair_off, int64_t M, float* c, int64_t ldc, bool fast,
+          int batch = 1, GemvShift shift = {});
+
+// ---- MoE (kernels_moe.cu)
+// Routing and the grouping of (token, expert) pairs by expert, all on the device.
+// "Experts" are the E routed ones followed by S slices of the shared experts that every token
+// uses with weight 1. Pair p (< P = n * (K + S)) is row p of the grouped buffers.
+struct MoeSched {
+  int32_t* cnt = nullptr;      // [NE] pairs per expert
+  int32_t* off = nullptr;      // [NE] first pair row of each expert
+  int32_t* active = nullptr;   // [NE] experts with pairs, ascending; count in *n_active
+  int32_t* n_active = nullptr; // [1]
+  int32_t* perm = nullptr;     // [P] token of each pair row
+  int32_t* pair_of = nullptr;  // [n, K + S] pair row of each (token, choice), routed ones by expert index
+  float* pw = nullptr;         // [n, K + S] routing weight of each (token, choice)
+  int32_t* tile_e = nullptr;   // [max_tiles] expert of each 64-row GEMM tile
+  int32_t* tile_m0 = nullptr;  // [max_tiles] first row (within the expert) of each tile
+  int32_t* n_tiles = nullptr;  // [1]
+  int64_t n = 0;
+  int E = 0, K = 0, S = 0;
+  DSV3_HD int NE() const { return E + S; }
+  DSV3_HD int64_t P() const { return n * (K + S); }
+  DSV3_HD int64_t max_tiles() const { return (P() + 63) / 64 + NE(); }
+};
+struct RouteArgs {
+  int E = 0, K = 0, G = 1, topk_groups = 1;
+  bool sigmoid = false, norm = false;
+  float route_scale = 1.f;
+};
+// logits [n, E]; bias [E] or null. Fills `s`; topk_idx/topk_w [n, K] when given (tests).
+void moe_route(const Launch& L, const RouteArgs& r, const float* logits, const float* bias, const MoeSched& s,
+               int32_t* topk_idx, float* topk_w);
+// stage 0: h[p, r] = silu(x_tok · w1[r]) * (x_tok · w3[r]) (ldh); stage 1: o[p, :] = w2 · h[p].
+// `table` [NE] on the device; max_rows = largest w1.rows (stage 0) or w2.rows (stage 1).
+void moe_gemv(const Launch& L, int stage, const DevExpert* table, int64_t max_rows, int32_t wtype, const MoeSched& s,
+              const float* in, int64_t ldin, float* out, int64_t ldout);
+// The tensor-core form: stage 0 writes w1 · x at column 0 and w3 · x at column `half` of
+// h [P, 2 * half]; stage 1 reads silu(h[p, k]) * h[p, half + k].
+void moe_gemm(const Launch& L, int stage, const DevExpert* table, int64_t max_rows, int32_t wtype, const MoeSched& s,
+              const float* in, int64_t ldin, int64_t half, float* out, int64_t ldout, bool fast);
+// y[i, :d] = sum_k pw[i,k] * o[pair_of[i,k], :d] (routed, by expert index) + shared slices.
+void moe_combine(const Launch& L, const MoeSched& s, const float* o, int64_t d, float* y);
+
+// ---- MLA (kernels_mla.cu)
+struct MlaDims {
+  int H = 0, nope = 0, R = 0, C = 0, V = 0;
+  int64_t max_len = 0;
+  float scale = 1.f, eps = 1e-6f;
+  DSV3_HD int qk() const { return nope + R; }
+};
+// RoPE on q's rope parts (in place) and on kv's key; kv_norm of the latent. Absorbed: writes
+// cache_kv/cache_pe rows. Naive: writes latent [n, C] and the rope part of cache_k.
+void mla_prep(const Launch& L, const MlaDims& d, bool naive, const DevPos* pos, int64_t n, float* q,
+              const float* kv, const float* kv_norm_w, const float* rope, float* cache_kv, float* cache_pe,
+              float* latent, float* cache_k);
+// qa[i, h, c] = sum_{d < nope} q[i, h, d] * wkv_b[h * (nope + V) + d, c]
+void mla_qabs(const Launch& L, const MlaDims& d, const DevLinear& wkv_b, const float* q, int64_t n, float* qa);
+// S[i, h, t] = (qa[i,h]·kv[t] + q_pe[i,h]·pe[t]) * scale for t <= pos_i (S rows max_len long).
+void mla_scores(const Launch& L, const MlaDims& d, const DevPos* pos, int64_t n, const float* qa, const float* q,
+                const float* cache_kv, const float* cache_pe, float* S);
+// ol[i, h, :] = softmax(S[i, h, :pos_i + 1]) · kv, over nsplit position ranges when > 1
+// (part: [nsplit, n, H, C], ml: [nsplit, n, H, 2]); mla_splits gives the count for n tokens.
+int mla_splits(const MlaDims& d, int64_t n);
+void mla_values(const Launch& L, const MlaDims& d, const DevPos* pos, int64_t n, const float* S,
+                const float* cache_kv, int nsplit, float* part, float* ml, float* ol);
+// Naive: k_nope and v of the new tokens from kvb [n, H * (nope + V)] into the caches.
+void mla_naive_store(const Launch& L, const MlaDims& d, const DevPos* pos, int64_t n, const float* kvb,
+                     float* cache_k, float* cache_v);
+void mla_naive_scores(const Launch& L, const MlaDims& d, const DevPos* pos, int64_t n, const float* q,
+                      const float* cache_k, float* S);
+void mla_naive_values(const Launch& L, const MlaDims& d, const DevPos* pos, int64_t n, const float* S,
+                      const float* cache_v, float* out);
+
+}  // namespace dsv3::cuda

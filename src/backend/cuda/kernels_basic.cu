@@ -1,0 +1,121 @@
+// Elementwise kernels: embedding gather, RMSNorm, residual add, bf16 hi/lo split, random fill.
+#include "backend/cuda/common.cuh"
+#include "core/error.h"
+
+namespace dsv3::cuda {
+
+void check(cudaError_t e, const char* what, const char* file, int line) {
+  if (e == cudaSuccess) return;
+  throw Error(str(file, ":", line, ": CUDA error ", int(e), " (", cudaGetErrorName(e), ": ", cudaGetErrorString(e),
+                  ") from ", what));
+}
+
+namespace {
+
+__global__ void embed_kernel(const int32_t* __restrict__ tok, const void* __restrict__ table, int32_t tt, int64_t d,
+                             float* __restrict__ y) {
+  pdl_wait();
+  pdl_trigger();
+  const int64_t i = blockIdx.x, row = tok[i];
+  float* yi = y + i * d;
+  if (tt == kBF16) {
+    const uint16_t* t = static_cast<const uint16_t*>(table) + row * d;
+    for (int64_t k = threadIdx.x; k < d; k += blockDim.x) yi[k] = bf16_bits(t[k]);
+  } else {
+    const float* t = static_cast<const float*>(table) + row * d;
+    for (int64_t k = threadIdx.x; k < d; k += blockDim.x) yi[k] = t[k];
+  }
+}
+
+__global__ void rmsnorm_kernel(const float* x, int64_t d, int64_t stride, const float* __restrict__ w, float eps,
+                               float* y) {
+  __shared__ float red[33];
+  pdl_wait();
+  pdl_trigger();
+  const float* xi = x + blockIdx.x * stride;
+  float* yi = y + blockIdx.x * stride;
+  float ss = 0.f;
+  for (int64_t k = threadIdx.x; k < d; k += blockDim.x) ss += xi[k] * xi[k];
+  ss = block_sum(ss, red);
+  const float r = 1.f / sqrtf(ss / float(d) + eps);  // as the reference: x * r * w
+  for (int64_t k = threadIdx.x; k < d; k += blockDim.x) yi[k] = xi[k] * r * w[k];
+}
+
+__global__ void add_kernel(float* __restrict__ y, const float* __restrict__ x, int64_t n) {
+  pdl_wait();
+  pdl_trigger();
+  const int64_t n4 = n / 4;
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n4; i += int64_t(gridDim.x) * blockDim.x) {
+    float4 a = reinterpret_cast<float4*>(y)[i];
+    const float4 b = reinterpret_cast<const float4*>(x)[i];
+    a.x += b.x, a.y += b.y, a.z += b.z, a.w += b.w;
+    reinterpret_cast<float4*>(y)[i] = a;
+  }
+  for (int64_t i = n4 * 4 + blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x)
+    y[i] += x[i];
+}
+
+__global__ void split_kernel(const float* __restrict__ x, int64_t n, __nv_bfloat16* __restrict__ hi,
+                             __nv_bfloat16* __restrict__ lo) {
+  pdl_wait();
+  pdl_trigger();
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
+    const float v = x[i];
+    const __nv_bfloat16 h = __float2bfloat16_rn(v);
+    hi[i] = h;
+    if (lo) lo[i] = __float2bfloat16_rn(v - __bfloat162float(h));
+  }
+}
+
+__device__ __forceinline__ uint64_t mix64(uint64_t z) {
+  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+  z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+  return z ^ (z >> 31);
+}
+
+__global__ void fill_kernel(void* p, int32_t t, int64_t n, float a, uint64_t seed, bool const_value) {
+  pdl_wait();
+  pdl_trigger();
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
+    const uint64_t h = mix64(seed * 0x9e3779b97f4a7c15ull + uint64_t(i));
+    const float u = float(int64_t(h >> 40) - (int64_t(1) << 23)) * (1.f / float(1 << 23));  // [-1, 1)
+    const float v = const_value ? a : a * u;
+    if (t == kBF16) static_cast<__nv_bfloat16*>(p)[i] = __float2bfloat16_rn(v);
+    else if (t == kFP8) static_cast<uint8_t*>(p)[i] = __nv_cvt_float_to_fp8(v, __NV_SATFINITE, __NV_E4M3);
+    else static_cast<float*>(p)[i] = v;
+  }
+}
+
+unsigned grid_for(int64_t n, int threads) {
+  int64_t b = (n + threads - 1) / threads;
+  return unsigned(b < 1 ? 1 : (b > 4096 ? 4096 : b));
+}
+
+}  // namespace
+
+void embed(const Launch& L, const int32_t* tok, int64_t n, const void* table, int32_t tt, int64_t d, float* y) {
+  launch(L, embed_kernel, dim3(unsigned(n)), dim3(256), 0, tok, table, tt, d, y);
+}
+
+void rmsnorm(const Launch& L, const float* x, int64_t n, int64_t d, int64_t stride, const float* w, float eps,
+             float* y) {
+  const int threads = d >= 1024 ? 512 : (d >= 256 ? 256 : 128);
+  launch(L, rmsnorm_kernel, dim3(unsigned(n)), dim3(threads), 0, x, d, stride, w, eps, y);
+}
+
+void add(const Launch& L, float* y, const float* x, int64_t n) {
+  // The float4 path needs 16-byte aligned buffers (device allocations are).
+  DSV3_CHECK(reinterpret_cast<uintptr_t>(y) % 16 == 0 && reinterpret_cast<uintptr_t>(x) % 16 == 0);
+  launch(L, add_kernel, dim3(grid_for(n / 4 + 1, 256)), dim3(256), 0, y, x, n);
+}
+
+void split_bf16(const Launch& L, const float* x, int64_t n, void* hi, void* lo) {
+  launch(L, split_kernel, dim3(grid_for(n, 256)), dim3(256), 0, x, n, static_cast<__nv_bfloat16*>(hi),
+         static_cast<__nv_bfloat16*>(lo));
+}
+
+void fill_random(const Launch& L, void* p, int32_t t, int64_t n, float a, uint64_t seed, bool const_value) {
+  launch(L, fill_kernel, dim3(grid_for(n, 256)), dim3(256), 0, p, t, n, a, seed, const_value);
+}
+
+}  // namespace dsv3::cuda

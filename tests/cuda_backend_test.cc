@@ -1,0 +1,445 @@
+// The CUDA backend against the ref backend, op by op on random inputs (ragged sizes, FP8 with
+// ragged edge blocks, both the GEMV and the tensor-core paths), and the whole model against the
+// golden float32 logits of every case. Every test skips cleanly where no GPU is present.
+#include <gtest/gtest.h>
+
+#ifdef DSV3_HAVE_CUDA
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <random>
+
+#include "backend/cuda/cuda_backend.h"
+#include "golden_util.h"
+#include "io/checkpoint.h"
+#include "io/safetensors.h"
+#include "model/gate.h"
+#include "model/model.h"
+#include "model/rope.h"
+
+using namespace dsv3;
+using namespace dsv3::testing_util;
+
+namespace {
+
+#define REQUIRE_GPU()                                           \
+  do {                                                          \
+    std::string why_;                                           \
+    if (!cuda::device_available(&why_)) GTEST_SKIP() << why_;   \
+  } while (0)
+
+CudaOptions opts(bool fast = false, int gemv_max = 8, bool graphs = true) {
+  CudaOptions o;
+  o.fast = fast;
+  o.gemv_max = gemv_max;
+  o.graphs = graphs;
+  return o;
+}
+
+std::vector<float> randn(size_t n, uint32_t seed, float scale = 1.f) {
+  std::mt19937 g(seed);
+  std::normal_distribution<float> d(0.f, scale);
+  std::vector<float> v(n);
+  for (auto& x : v) x = d(g);
+  return v;
+}
+
+// A device buffer of the CUDA backend, filled from / read back to the host.
+struct Dev {
+  Backend& be;
+  float* p;
+  size_t n;
+  Dev(Backend& b, const std::vector<float>& host) : be(b), p(b.alloc(host.size())), n(host.size()) {
+    be.upload(p, host.data(), n);
+  }
+  Dev(Backend& b, size_t count) : be(b), p(b.alloc(count)), n(count) {}
+  ~Dev() { be.release(p); }
+  std::vector<float> get() const {
+    std::vector<float> h(n);
+    be.download(h.data(), p, n);
+    return h;
+  }
+};
+
+// Host weights that outlive their views.
+struct HostLinear {
+  std::vector<uint16_t> bf16;
+  std::vector<uint8_t> q;
+  std::vector<float> f32, scale;
+  Linear lin;
+};
+
+HostLinear make_linear(DType t, int64_t out, int64_t in, uint32_t seed) {
+  HostLinear h;
+  std::mt19937 g(seed);
+  std::normal_distribution<float> nd(0.f, 1.f / std::sqrt(float(in)));
+  h.lin.weight.dtype = t;
+  h.lin.weight.shape = {out, in};
+  if (t == DType::BF16) {
+    h.bf16.resize(size_t(out * in));
+    for (auto& v : h.bf16) v = f32_to_bf16(nd(g));
+    h.lin.weight.data = h.bf16.data();
+  } else if (t == DType::F32) {
+    h.f32.resize(size_t(out * in));
+    for (auto& v : h.f32) v = nd(g);
+    h.lin.weight.data = h.f32.data();
+  } else {
+    std::uniform_int_distribution<int> b(0, 255);
+    h.q.resize(size_t(out * in));
+    for (auto& v : h.q) {
+      v = uint8_t(b(g));
+      if ((v & 0x7f) == 0x7f) v &= 0xfe;  // no NaN codes
+    }
+    const int64_t so = (out + 127) / 128, si = (in + 127) / 128;
+    std::uniform_real_distribution<float> sd(0.5f, 2.f);
+    h.scale.resize(size_t(so * si));
+    for (auto& v : h.scale) v = sd(g) / (64.f * std::sqrt(float(in)));
+    h.lin.weight.data = h.q.data();
+    h.lin.scale = {DType::F32, {so, si}, h.scale.data()};
+  }
+  return h;
+}
+
+// A copy of `l` in the backend's memory (through prepare_weights of a one-tensor model).
+Linear to_device(Backend& be, const Linear& l) {
+  ModelWeights w;
+  w.head = l;
+  ModelArgs a;
+  be.prepare_weights(a, w);
+  return w.head;
+}
+TensorView to_device(Backend& be, const TensorView& t) {
+  ModelWeights w;
+  w.norm = t;
+  ModelArgs a;
+  be.prepare_weights(a, w);
+  return w.norm;
+}
+
+double max_abs_diff(const std::vector<float>& a, const std::vector<float>& b) {
+  double m = 0;
+  for (size_t i = 0; i < a.size(); ++i) m = std::max(m, std::fabs(double(a[i]) - double(b[i])));
+  return m;
+}
+
+TEST(CudaOps, Embed) {
+  REQUIRE_GPU();
+  auto cuda = make_cuda_backend(opts());
+  std::vector<float> tf = randn(50 * 72, 1);
+  std::vector<uint16_t> tb(tf.size());
+  for (size_t i = 0; i < tf.size(); ++i) tb[i] = f32_to_bf16(tf[i]);
+  for (DType t : {DType::BF16, DType::F32}) {
+    TensorView table{t, {50, 72}, t == DType::BF16 ? static_cast<const void*>(tb.data()) : tf.data()};
+    ModelWeights w;
+    w.embed = table;
+    cuda->prepare_weights(ModelArgs{}, w);
+    const std::vector<int32_t> tok = {3, 0, 49, 17, 17, 8, 21};
+    Dev y(*cuda, tok.size() * 72);
+    cuda->embed(tok.data(), int64_t(tok.size()), w.embed, y.p);
+    std::vector<float> want(tok.size() * 72);
+    make_ref_backend()->embed(tok.data(), int64_t(tok.size()), table, want.data());
+    EXPECT_EQ(max_abs_diff(y.get(), want), 0.0);
+  }
+}
+
+TEST(CudaOps, RmsNormStridedAndInPlace) {
+  REQUIRE_GPU();
+  auto cuda = make_cuda_backend(opts());
+  auto ref = make_ref_backend();
+  const int64_t n = 5, d = 300, stride = 320;
+  std::vector<float> x = randn(size_t(n * stride), 2), wv = randn(size_t(d), 3);
+  std::vector<uint16_t> wb(static_cast<size_t>(d));
+  for (int64_t i = 0; i < d; ++i) wb[size_t(i)] = f32_to_bf16(wv[size_t(i)]);
+  TensorView w{DType::BF16, {d}, wb.data()};
+  TensorView wd = to_device(*cuda, w);
+  std::vector<float> want = x;
+  ref->rmsnorm(want.data(), n, d, stride, w, 1e-6f, want.data());
+  Dev xd(*cuda, x);
+  cuda->rmsnorm(xd.p, n, d, stride, wd, 1e-6f, xd.p);
+  EXPECT_LE(rel_l2(xd.get().data(), want.data(), want.size()), 1e-6);
+}
+
+TEST(CudaOps, Add) {
+  REQUIRE_GPU();
+  auto cuda = make_cuda_backend(opts());
+  std::vector<float> a = randn(1001, 4), b = randn(1001, 5);
+  Dev ad(*cuda, a), bd(*cuda, b);
+  cuda->add(ad.p, bd.p, 1001);
+  std::vector<float> want(1001);
+  for (size_t i = 0; i < want.size(); ++i) want[i] = a[i] + b[i];
+  EXPECT_EQ(max_abs_diff(ad.get(), want), 0.0);
+}
+
+struct LinCase {
+  int64_t n, out, in;
+};
+
+// Every weight dtype, ragged shapes, both paths: GEMV (few tokens) and tensor cores (many), and
+// the tensor cores forced for few tokens too (gemv_max 0).
+TEST(CudaOps, LinearMatchesRef) {
+  REQUIRE_GPU();
+  auto ref = make_ref_backend();
+  const std::vector<LinCase> cases = {{1, 300, 256}, {3, 257, 200}, {8, 130, 100}, {1, 64, 72},   {13, 300, 384},
+                                      {70, 260, 272}, {130, 129, 128}, {9, 200, 136}, {2, 33, 4096}};
+  for (int mode = 0; mode < 3; ++mode) {
+    const bool fast = mode == 2;
+    auto cuda = make_cuda_backend(opts(fast, mode == 1 ? 0 : 8));
+    for (DType t : {DType::BF16, DType::F8_E4M3, DType::F32}) {
+      for (const LinCase& c : cases) {
+        HostLinear h = make_linear(t, c.out, c.in, uint32_t(c.n * 1000 + c.out + c.in));
+        Linear dl = to_device(*cuda, h.lin);
+        std::vector<float> x = randn(size_t(c.n * c.in), uint32_t(c.in + 7));
+        std::vector<float> want(static_cast<size_t>(c.n * c.out));
+        ref->linear(x.data(), c.n, h.lin, want.data());
+        Dev xd(*cuda, x), yd(*cuda, size_t(c.n * c.out));
+        cuda->linear(xd.p, c.n, dl, yd.p);
+        const double err = rel_l2(yd.get().data(), want.data(), want.size());
+        const bool tensor_cores = (mode == 1 || c.n > 8) && t != DType::F32;
+        const double tol = fast && tensor_cores ? 1e-2 : (tensor_cores ? 3e-5 : 2e-6);
+        EXPECT_LE(err, tol) << dtype_name(t) << " n=" << c.n << " out=" << c.out << " in=" << c.in << " mode "
+                            << mode;
+      }
+    }
+  }
+}
+
+// The device router against model/gate.cc on random logits with planted ties.
+TEST(CudaOps, RouterMatchesGate) {
+  REQUIRE_GPU();
+  auto cuda = make_cuda_backend(opts());
+  for (std::string c : {"v2lite_bf16", "v2_groups_bf16", "v3_fp8"}) {
+    ModelArgs a = load_model_args(case_dir(c) + "/hf/config.json");
+    const int E = a.n_routed_experts, K = a.n_activated_experts;
+    const int64_t n = 37;
+    std::vector<float> lg = randn(size_t(n * E), 11);
+    for (int64_t i = 0; i < n; i += 3) lg[size_t(i * E + 1)] = lg[size_t(i * E + 5)];  // ties
+    for (int64_t i = 1; i < n; i += 4)
+      for (int e = 0; e < E; ++e) lg[size_t(i * E + e)] = float(e % 3);  // many ties
+    std::vector<float> bias;
+    if (a.score_func == "sigmoid") bias = randn(size_t(E), 12, 0.1f);
+    Dev ld(*cuda, lg);
+    std::unique_ptr<Dev> bd;
+    if (!bias.empty()) bd = std::make_unique<Dev>(*cuda, bias);
+    std::vector<int32_t> idx(static_cast<size_t>(n * K));
+    std::vector<float> wts(static_cast<size_t>(n * K));
+    cuda::route_for_test(*cuda, a, ld.p, bd ? bd->p : nullptr, n, idx.data(), wts.data());
+    std::vector<float> scratch(static_cast<size_t>(2 * E + a.n_expert_groups));
+    for (int64_t i = 0; i < n; ++i) {
+      std::vector<int32_t> wi(static_cast<size_t>(K));
+      std::vector<float> ww(static_cast<size_t>(K));
+      route_token(a, &lg[size_t(i * E)], bias.empty() ? nullptr : bias.data(), wi.data(), ww.data(), scratch.data());
+      for (int k = 0; k < K; ++k) {
+        EXPECT_EQ(idx[size_t(i * K + k)], wi[size_t(k)]) << c << " token " << i << " choice " << k;
+        EXPECT_NEAR(wts[size_t(i * K + k)], ww[size_t(k)], 1e-6f * std::max(1.f, std::fabs(ww[size_t(k)])))
+            << c << " token " << i;
+      }
+    }
+  }
+}
+
+// One golden checkpoint twice: host views for the ref backend, device copies for CUDA.
+struct TwoWeights {
+  std::unique_ptr<Checkpoint> ck;
+  ModelWeights host, dev;
+  ModelArgs a;
+  TwoWeights(const std::string& c, Backend& cuda) {
+    ck = Checkpoint::open(case_dir(c) + "/hf");
+    a = ck->args();
+    host = load_weights(*ck);
+    dev = load_weights(*ck);
+    cuda.prepare_weights(a, dev);
+  }
+};
+
+TEST(CudaOps, MlpAndMoeMatchRef) {
+  REQUIRE_GPU();
+  auto ref = make_ref_backend();
+  for (int mode = 0; mode < 3; ++mode) {
+    auto cuda = make_cuda_backend(opts(mode == 2, mode == 1 ? 0 : 8));
+    for (std::string c : {"v2lite_bf16", "v2_groups_bf16", "v3_fp8"}) {
+      TwoWeights W(c, *cuda);
+      const int64_t D = W.a.dim;
+      for (int64_t n : {1, 4, 8, 37}) {
+        std::vector<float> x = randn(size_t(n * D), uint32_t(n));
+        Dev xd(*cuda, x), yd(*cuda, size_t(n * D));
+        std::vector<float> want(static_cast<size_t>(n * D));
+        const bool tc = mode == 1 || n > 8;
+        const double tol = mode == 2 && tc ? 2e-2 : (tc ? 5e-5 : 5e-6);
+        ref->mlp(W.host.layers[0].ffn, x.data(), n, want.data());
+        cuda->mlp(W.dev.layers[0].ffn, xd.p, n, yd.p);
+        EXPECT_LE(rel_l2(yd.get().data(), want.data(), want.size()), tol) << c << " mlp n=" << n << " mode " << mode;
+        for (int l = 1; l < W.a.n_layers; ++l) {
+          ref->moe(W.a, W.host.layers[size_t(l)].moe_w, x.data(), n, want.data());
+          cuda->moe(W.a, W.dev.layers[size_t(l)].moe_w, xd.p, n, yd.p);
+          EXPECT_LE(rel_l2(yd.get().data(), want.data(), want.size()), tol)
+              << c << " moe layer " << l << " n=" << n << " mode " << mode;
+        }
+      }
+    }
+  }
+}
+
+// MLA of a mixed call: three decode tokens in slots with cached history and a 7-token chunk
+// from position 0, against the ref on the same random cache; outputs and written cache rows.
+TEST(CudaOps, MlaMatchesRef) {
+  REQUIRE_GPU();
+  auto ref = make_ref_backend();
+  auto cuda = make_cuda_backend(opts());
+  for (std::string c : {"v2lite_bf16", "v3_fp8"}) {
+    TwoWeights W(c, *cuda);
+    const ModelArgs& a = W.a;
+    const int64_t H = a.n_heads, qk = a.qk_head_dim(), C = a.kv_lora_rank, R = a.qk_rope_head_dim, V = a.v_head_dim;
+    const int slots = 4, max_len = 40;
+    RopeTable rope(a, max_len);
+    std::vector<TokenPos> tp = {{0, 5}, {1, 0}, {2, 33}};
+    for (int t = 0; t < 7; ++t) tp.push_back({3, t});
+    const int64_t n = int64_t(tp.size());
+    for (AttnImpl impl : {AttnImpl::kAbsorb, AttnImpl::kNaive}) {
+      const bool absorb = impl == AttnImpl::kAbsorb;
+      const size_t rows = size_t(slots * max_len);
+      std::vector<float> c1 = randn(rows * size_t(absorb ? C : H * qk), 21), c2 = randn(rows * size_t(absorb ? R : H * V), 22);
+      std::vector<float> q = randn(size_t(n * H * qk), 23), kv = randn(size_t(n * (C + R)), 24);
+      // Ref on host copies.
+      std::vector<float> rc1 = c1, rc2 = c2, rq = q, rkv = kv, rout(size_t(n * H * V));
+      LayerCache rcache;
+      (absorb ? rcache.kv : rcache.k) = rc1.data();
+      (absorb ? rcache.pe : rcache.v) = rc2.data();
+      ref->mla(a, impl, W.host.layers[1].attn, rope, tp.data(), n, rq.data(), rkv.data(), rcache, max_len, rout.data());
+      Dev d1(*cuda, c1), d2(*cuda, c2), dq(*cuda, q), dkv(*cuda, kv), dout(*cuda, size_t(n * H * V));
+      LayerCache dcache;
+      (absorb ? dcache.kv : dcache.k) = d1.p;
+      (absorb ? dcache.pe : dcache.v) = d2.p;
+      cuda->mla(a, impl, W.dev.layers[1].attn, rope, tp.data(), n, dq.p, dkv.p, dcache, max_len, dout.p);
+      const char* mode = absorb ? "absorb" : "naive";
+      // 10 tokens: the tensor-core GEMM (hi + lo bf16 parts) for wkv_b, ~1e-5
+      const double tol = 5e-5;
+      EXPECT_LE(rel_l2(dout.get().data(), rout.data(), rout.size()), tol) << c << " " << mode;
+      EXPECT_LE(rel_l2(d1.get().data(), rc1.data(), rc1.size()), tol) << c << " " << mode << " cache 1";
+      EXPECT_LE(rel_l2(d2.get().data(), rc2.data(), rc2.size()), tol) << c << " " << mode << " cache 2";
+    }
+  }
+}
+
+// ---- the whole model against the golden float32 logits
+
+struct GoldenParam {
+  std::string name;
+  AttnImpl attn;
+  int variant;  // 0: default (graphs, PDL); 1: no graphs, no PDL, tensor cores from 1 token; 2: fast
+};
+
+std::string golden_param_name(const ::testing::TestParamInfo<GoldenParam>& p) {
+  static const char* v[] = {"graphs", "plain", "fast"};
+  return p.param.name + (p.param.attn == AttnImpl::kAbsorb ? "_absorb_" : "_naive_") + v[p.param.variant];
+}
+
+std::vector<GoldenParam> golden_params() {
+  std::vector<GoldenParam> v;
+  for (auto& c : golden_cases())
+    for (auto a : {AttnImpl::kAbsorb, AttnImpl::kNaive})
+      for (int k = 0; k < 3; ++k) v.push_back({c, a, k});
+  return v;
+}
+
+// The reference's own bf16 rows (golden/README.md): max and median relative L2, argmax agreements.
+struct Bf16Row {
+  double max_err, median_err;
+  int agree, total;
+};
+Bf16Row bf16_row(const std::string& c, AttnImpl attn) {
+  const bool nv = attn == AttnImpl::kNaive;
+  if (c == "v2lite_bf16") return {nv ? 0.052 : 0.057, nv ? 0.0091 : 0.0095, 144, 148};
+  if (c == "v2_groups_bf16") return {nv ? 0.553 : 0.439, nv ? 0.019 : 0.017, 144, 148};
+  if (c == "v3_fp8") return {nv ? 0.565 : 0.386, nv ? 0.032 : 0.033, 135, 148};
+  if (c == "v31_fp8_ue8m0") return {nv ? 0.404 : 0.450, nv ? 0.036 : 0.026, 140, 148};
+  return {nv ? 0.566 : 0.541, nv ? 0.031 : 0.033, 94, 98};
+}
+
+class CudaGolden : public ::testing::TestWithParam<GoldenParam> {};
+
+TEST_P(CudaGolden, EveryStepMatchesFp32Logits) {
+  REQUIRE_GPU();
+  const GoldenParam& p = GetParam();
+  CudaOptions o;
+  if (p.variant == 1) o.graphs = false, o.pdl = false, o.gemv_max = 0;
+  if (p.variant == 2) o.fast = true;
+  SafetensorsFile g(case_dir(p.name) + "/golden.safetensors");
+  ModelOptions mo;
+  mo.attn = p.attn;
+  mo.max_slots = 4;
+  Model model(Checkpoint::open(case_dir(p.name) + "/hf"), make_cuda_backend(o), mo);
+  const int V = model.args().vocab_size;
+  std::vector<double> errs;
+  int agree = 0, total = 0;
+  for (int s = 0;; ++s) {
+    char key[32];
+    std::snprintf(key, sizeof key, "step%03d", s);
+    if (!g.has(std::string(key) + ".tokens")) break;
+    TensorView tok = g.get(std::string(key) + ".tokens"), want = g.get(std::string(key) + ".logits_fp32");
+    const int B = int(tok.dim(0)), T = int(tok.dim(1));
+    const int start = g.get(std::string(key) + ".start_pos").as<int32_t>()[0];
+    std::vector<float> got(static_cast<size_t>(B) * V);
+    model.forward(tok.as<int32_t>(), B, T, start, got.data());
+    for (int b = 0; b < B; ++b) {
+      const float* w = want.as<float>() + size_t(b) * V;
+      const double err = rel_l2(got.data() + size_t(b) * V, w, size_t(V));
+      errs.push_back(err);
+      const bool same = argmax(got.data() + size_t(b) * V, V) == argmax(w, V);
+      agree += same, ++total;
+      if (p.variant != 2) {
+        EXPECT_LE(err, 1e-3) << key << " row " << b;
+        EXPECT_TRUE(same) << key << " row " << b;
+      }
+    }
+  }
+  ASSERT_FALSE(errs.empty());
+  std::vector<double> sorted = errs;
+  std::sort(sorted.begin(), sorted.end());
+  const double mx = sorted.back(), med = sorted[sorted.size() / 2];
+  std::printf("%s: %zu rows, max %.3g, median %.3g, argmax %d/%d\n", golden_param_name({p, 0}).c_str(), errs.size(), mx,
+              med, agree, total);
+  if (p.variant == 2) {  // bf16 activations: no worse than the reference's own bf16 row
+    const Bf16Row r = bf16_row(p.name, p.attn);
+    EXPECT_LE(mx, r.max_err);
+    EXPECT_LE(med, r.median_err);
+    EXPECT_GE(agree * r.total, r.agree * total);
+  }
+}
+
+// Fresh prefills of the prefix with every position's logits (the long case: 283 rows).
+TEST_P(CudaGolden, PrefixLogitsMatch) {
+  REQUIRE_GPU();
+  const GoldenParam& p = GetParam();
+  if (p.variant == 2) GTEST_SKIP() << "covered by the step test";
+  CudaOptions o;
+  if (p.variant == 1) o.graphs = false, o.pdl = false, o.gemv_max = 0;
+  SafetensorsFile g(case_dir(p.name) + "/golden.safetensors");
+  TensorView prefix = g.get("prefix_tokens"), want = g.get("prefix_logits_fp32");
+  const int L = int(prefix.dim(1));
+  ModelOptions mo;
+  mo.attn = p.attn;
+  mo.max_slots = 1;
+  Model model(Checkpoint::open(case_dir(p.name) + "/hf"), make_cuda_backend(o), mo);
+  const int V = model.args().vocab_size;
+  std::vector<TokenPos> pos(static_cast<size_t>(L));
+  std::vector<int64_t> rows(static_cast<size_t>(L));
+  for (int i = 0; i < L; ++i) pos[size_t(i)] = {0, i}, rows[size_t(i)] = i;
+  std::vector<float> got(static_cast<size_t>(L) * V);
+  model.forward(prefix.as<int32_t>(), pos.data(), L, rows, got.data());
+  for (int i = 0; i < L; ++i) {
+    const float* w = want.as<float>() + size_t(i) * V;
+    EXPECT_LE(rel_l2(got.data() + size_t(i) * V, w, size_t(V)), 1e-3) << "prefix length " << i + 1;
+    EXPECT_EQ(argmax(got.data() + size_t(i) * V, V), argmax(w, V)) << "prefix length " << i + 1;
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Cases, CudaGolden, ::testing::ValuesIn(golden_params()), golden_param_name);
+
+}  // namespace
+
+#else  // !DSV3_HAVE_CUDA
+
+TEST(CudaBackend, NotBuilt) { GTEST_SKIP() << "built without CUDA (-DDSV3_CUDA=OFF or no nvcc)"; }
+
+#endif
