@@ -22,6 +22,12 @@ class Tokenizer {
   virtual std::vector<int32_t> encode(std::string_view text) const = 0;
   // Text of `ids`; ids out of range are an Error. skip_special drops special added tokens.
   virtual std::string decode(const std::vector<int32_t>& ids, bool skip_special = false) const = 0;
+  // The raw bytes `ids` stand for, before UTF-8 repair (may end inside a character, or hold
+  // invalid sequences); decode() is these bytes with each invalid subpart made U+FFFD, as Rust's
+  // from_utf8_lossy does. StreamDecoder needs it. The default falls back to decode().
+  virtual std::string decode_bytes(const std::vector<int32_t>& ids, bool skip_special = false) const {
+    return decode(ids, skip_special);
+  }
 
   virtual int vocab_size() const = 0;  // one past the largest id
   virtual bool is_special(int32_t id) const = 0;
