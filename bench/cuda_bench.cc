@@ -5,7 +5,8 @@
 // bf16 matrix rate, or all weight bytes / bandwidth, whichever is larger) and beside the
 // reference's and transformers' speeds on an H200 (bench/anchors_h200.h).
 //
-//   dsv3_cuda_bench [--dtypes bf16,fp8] [--steps 64] [--json FILE] [--quick]
+//   dsv3_cuda_bench [--dtypes bf16,fp8] [--steps 64] [--json FILE] [--quick] [--profile]
+// --profile adds a run that times every op and kernel group with events (no graphs).
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -84,6 +85,7 @@ struct Variant {
   std::string name;
   CudaOptions opt;
   bool decode, prefill;
+  bool profile = false;
 };
 
 }  // namespace
@@ -91,7 +93,7 @@ struct Variant {
 int main(int argc, char** argv) {
   std::vector<std::string> dtypes = {"bf16", "fp8"};
   int steps = 64;
-  bool quick = false;
+  bool quick = false, profile = false;
   std::string json;
   for (int i = 1; i < argc; ++i) {
     std::string s = argv[i];
@@ -117,6 +119,8 @@ int main(int argc, char** argv) {
       json = next();
     } else if (s == "--quick") {
       quick = true;
+    } else if (s == "--profile") {
+      profile = true;
     } else {
       std::fprintf(stderr, "usage: dsv3_cuda_bench [--dtypes bf16,fp8] [--steps N] [--json FILE] [--quick]\n");
       return 2;
@@ -158,8 +162,14 @@ int main(int argc, char** argv) {
           vars.push_back({"cublas-fast", o, false, true});
         }
       }
+      if (profile) {
+        CudaOptions o = base;
+        o.profile = true;
+        vars.push_back({"profile", o, true, true, true});
+      }
       for (const Variant& v : vars) {
         auto be = make_cuda_backend(v.opt);
+        Backend* bp = be.get();
         ModelWeights w = cuda::random_weights(*be, a, 1234);
         const WeightStats st = weight_stats(a, w);
         int64_t all_bytes = 0;
@@ -182,7 +192,10 @@ int main(int argc, char** argv) {
             const int warm = 8, n = B == 1 ? steps : std::max(8, steps / 2);
             double t0 = 0;
             for (int s = 0; s < warm + n; ++s) {
-              if (s == warm) t0 = now();
+              if (s == warm) {
+                if (v.profile) cuda::profile_report(*bp, true);
+                t0 = now();
+              }
               std::vector<int32_t> step(static_cast<size_t>(B));
               for (auto& t : step) t = tokd(rng);
               model.forward(step.data(), B, 1, T0 + s, logits);
@@ -202,6 +215,7 @@ int main(int argc, char** argv) {
                         : (B == 1 ? anchors::kRefBf16DecodeB1 : anchors::kRefBf16DecodeB8);
             l.hf = B == 1 ? anchors::kHfBf16DecodeB1 : anchors::kHfBf16DecodeB8;
             report(l);
+            if (v.profile) std::printf("%s", cuda::profile_report(*bp, true).c_str());
           }
         }
         if (v.prefill) {
@@ -210,6 +224,7 @@ int main(int argc, char** argv) {
           for (auto& t : tok) t = tokd(rng);
           std::vector<double> ts;
           for (int r = 0; r < 4; ++r) {
+            if (v.profile && r == 3) cuda::profile_report(*bp, true);
             const double t0 = now();
             model.forward(tok.data(), 1, T, 0, logits);
             if (r > 0) ts.push_back(now() - t0);
@@ -224,6 +239,7 @@ int main(int argc, char** argv) {
           l.ref = fp8 ? anchors::kRefFp8Bf16GemmPrefill1024 : anchors::kRefBf16Prefill1024;
           l.hf = anchors::kHfBf16Prefill1024;
           report(l);
+          if (v.profile) std::printf("%s", cuda::profile_report(*bp, true).c_str());
         }
         cudaFreeHost(logits);
       }

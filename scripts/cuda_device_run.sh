@@ -71,7 +71,7 @@ log "build done in $(( $(date +%s) - t0 )) s, fail=$fail"
 TESTS=${TESTS:-*Cuda*}
 if [ "$TESTS" != none ]; then
   log "tests $TESTS"
-  timeout 420 "$B/tests" --gtest_filter="$TESTS" > "$OUT/tests.log" 2>&1
+  timeout ${TEST_TIMEOUT:-240} "$B/tests" --gtest_filter="$TESTS" > "$OUT/tests.log" 2>&1
   log "tests rc=$?"
   grep -E "^\[  (PASSED|FAILED) |FAILED  \]|tests? from .* ran" "$OUT/tests.log" | tail -40 | tee -a "$OUT/summary.txt"
   grep -E "rows, max" "$OUT/tests.log" | tee -a "$OUT/summary.txt" | head -40
@@ -79,7 +79,7 @@ fi
 BENCH_ARGS=${BENCH_ARGS:-}
 if [ "$BENCH_ARGS" != none ]; then
   log "bench $BENCH_ARGS"
-  timeout 400 "$B/bench" --json "$OUT/bench.json" $BENCH_ARGS > "$OUT/bench.log" 2>&1
+  timeout ${BENCH_TIMEOUT:-200} "$B/bench" --json "$OUT/bench.json" $BENCH_ARGS > "$OUT/bench.log" 2>&1
   log "bench rc=$?"
   cat "$OUT/bench.log" | tee -a "$OUT/summary.txt"
 fi
@@ -89,5 +89,14 @@ if [ "${SANITIZE:-0}" = 1 ]; then
     > "$OUT/memcheck.log" 2>&1
   log "memcheck rc=$?"
   tail -25 "$OUT/memcheck.log" | tee -a "$OUT/summary.txt"
+fi
+if [ -n "${NCU:-}" ]; then  # e.g. NCU="moe_gemv|gemv_kernel" : one decode-step instance of each
+  log "ncu $NCU"
+  timeout ${NCU_TIMEOUT:-200} ncu --clock-control none --kernel-name "regex:${NCU}" --launch-skip ${NCU_SKIP:-300} \
+    --launch-count ${NCU_COUNT:-6} --section SpeedOfLight --section Occupancy --section LaunchStats \
+    --section WarpStateStats --section MemoryWorkloadAnalysis \
+    "$B/bench" --dtypes bf16 --quick --steps 8 > "$OUT/ncu.txt" 2>&1
+  log "ncu rc=$?"
+  grep -E "^  [a-z_].*\(|Duration|DRAM Throughput|Memory Throughput|Compute \(SM\)|Achieved Occupancy|Theoretical Occupancy|Registers Per|Block Limit|Stall|L2 Hit|Mem Busy|Max Bandwidth" "$OUT/ncu.txt" | head -150 | tee -a "$OUT/summary.txt"
 fi
 log "end"

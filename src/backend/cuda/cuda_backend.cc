@@ -7,9 +7,12 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <map>
+#include <string>
+#include <utility>
 #include <vector>
 
 #include "backend/cuda/kernels.h"
@@ -38,6 +41,7 @@ CudaOptions CudaOptions::from_env() {
   o.cublas = env_flag("DSV3_CUDA_CUBLAS", o.cublas);
   o.gemv_max = env_int("DSV3_CUDA_GEMV_MAX", o.gemv_max);
   o.graph_max = env_int("DSV3_CUDA_GRAPH_MAX", o.graph_max);
+  o.profile = env_flag("DSV3_CUDA_PROFILE", o.profile);
   return o;
 }
 
@@ -156,6 +160,8 @@ class CudaBackend final : public Backend {
     L_.stream = stream_;
     L_.pdl = opt_.pdl && prop.major >= 9;
     CK(cudaMallocHost(&staging_, kStagingBytes));
+    CK(cudaMalloc(&counter_, sizeof(unsigned)));
+    CK(cudaMemset(counter_, 0, sizeof(unsigned)));
     CK(cudaEventCreateWithFlags(&staging_done_, cudaEventDisableTiming));
   }
 
@@ -174,7 +180,10 @@ class CudaBackend final : public Backend {
     if (rope_dev_) cudaFree(rope_dev_);
     if (step_dev_) cudaFree(step_dev_);
     if (cublas_) cublasDestroy(cublas_);
+    for (auto& m : marks_) cudaEventDestroy(m.second);
+    for (cudaEvent_t e : free_events_) cudaEventDestroy(e);
     cudaFreeHost(staging_);
+    cudaFree(counter_);
     cudaEventDestroy(staging_done_);
     cudaStreamDestroy(stream_);
   }
@@ -183,6 +192,7 @@ class CudaBackend final : public Backend {
 
   float* alloc(size_t n) override {
     no_capture("alloc");
+    flush_add();
     void* p = nullptr;
     CK(cudaMalloc(&p, std::max<size_t>(n, 1) * 4));
     CK(cudaMemsetAsync(p, 0, std::max<size_t>(n, 1) * 4, stream_));
@@ -191,17 +201,21 @@ class CudaBackend final : public Backend {
   }
   void release(float* p) override {
     no_capture("release");
+    flush_add();
     CK(cudaStreamSynchronize(stream_));
     drop_graphs();  // recorded steps may point at it
     CK(cudaFree(p));
   }
   void upload(float* dst, const float* host, size_t n) override {
     no_capture("upload");
+    flush_add();
     CK(cudaMemcpyAsync(dst, host, n * 4, cudaMemcpyHostToDevice, stream_));
     CK(cudaStreamSynchronize(stream_));
   }
   void download(float* host, const float* src, size_t n) override {
     no_capture("download");
+    flush_add();
+    flush_marks();
     CK(cudaMemcpyAsync(host, src, n * 4, cudaMemcpyDeviceToHost, stream_));
     CK(cudaStreamSynchronize(stream_));
   }
@@ -270,6 +284,7 @@ class CudaBackend final : public Backend {
   // ---- steps and graphs
 
   bool begin_step(const int32_t* tokens, const TokenPos* pos, int64_t n, const int64_t* rows, int64_t m) override {
+    flush_add();
     if (capturing_) abort_capture();
     // The step's metadata goes to fixed device buffers in one copy: [tokens n][pos 2n][rows m].
     const size_t words = size_t(n) * 3 + size_t(m);
@@ -289,7 +304,7 @@ class CudaBackend final : public Backend {
     CK(cudaMemcpyAsync(step_dev_, st, words * 4, cudaMemcpyHostToDevice, stream_));
     CK(cudaEventRecord(staging_done_, stream_));
     step_ = {tokens, pos, rows, n, m, true};
-    if (!opt_.graphs || n > opt_.graph_max) return false;
+    if (!opt_.graphs || opt_.profile || n > opt_.graph_max) return false;
     GraphKey key{n, std::vector<int64_t>(rows, rows + m)};
     Graph& g = graphs_[key];
     if (g.exec) {
@@ -304,6 +319,7 @@ class CudaBackend final : public Backend {
   }
 
   void end_step() override {
+    flush_add();
     if (replay_) {
       CK(cudaGraphLaunch(replay_->exec, stream_));
       replay_ = nullptr;
@@ -318,9 +334,31 @@ class CudaBackend final : public Backend {
       CK(cudaGraphLaunch(g->exec, stream_));
     }
     step_.active = false;
+    flush_marks();
+  }
+
+  std::string profile_report(bool reset) {
+    flush_add();
+    flush_marks();
+    std::vector<std::pair<double, std::string>> v;
+    double total = 0;
+    for (auto& [k, ms] : prof_) v.push_back({ms, k}), total += ms;
+    std::sort(v.rbegin(), v.rend());
+    const double steps = std::max<int64_t>(prof_steps_, 1);
+    std::string out = str("profile over ", prof_steps_, " steps: ", total / steps, " ms per step\n");
+    for (auto& [ms, k] : v) {
+      char line[160];
+      std::snprintf(line, sizeof line, "  %8.4f ms %5.1f%%  %s\n", ms / steps, 100.0 * ms / std::max(total, 1e-9),
+                    k.c_str());
+      out += line;
+    }
+    if (reset) prof_.clear(), prof_steps_ = 0;
+    return out;
   }
 
   void gather_rows(const float* x, int64_t d, const int64_t* rows, int64_t m, float* y) override {
+    flush_add();
+    mark("gather");
     for (int64_t r = 0; r < m; ++r)  // device-to-device copies: recordable, no host round trip
       CK(cudaMemcpyAsync(y + r * d, x + rows[r] * d, size_t(d) * 4, cudaMemcpyDeviceToDevice, stream_));
   }
@@ -328,6 +366,8 @@ class CudaBackend final : public Backend {
   // ---- ops
 
   void embed(const int32_t* tokens, int64_t n, const TensorView& table, float* y) override {
+    flush_add();
+    mark("embed");
     const int32_t* tok = step_.active && tokens == step_.tokens && n == step_.n ? step_tok() : upload_ints(tokens, n);
     cuda::embed(L_, tok, n, table.data, wtype_of(table.dtype), table.dim(1), y);
   }
@@ -335,18 +375,47 @@ class CudaBackend final : public Backend {
   void rmsnorm(const float* x, int64_t n, int64_t d, int64_t stride, const TensorView& w, float eps,
                float* y) override {
     DSV3_CHECK(w.dtype == DType::F32, "norm weight not on the device");
+    if (pend_.y && pend_.y == x && stride == d && pend_.n == n * d) {  // the residual add, fused
+      if (pend_.from_moe) {
+        mark("moe.combine+add+rmsnorm");
+        cuda::moe_combine_add_rmsnorm(L_, pmoe_.s, pmoe_.o, pmoe_.d, pmoe_.y, pend_.y, w.as<float>(), eps, y);
+        pmoe_.active = false;
+      } else {
+        mark("add+rmsnorm");
+        cuda::add_rmsnorm(L_, pend_.y, pend_.x, n, d, w.as<float>(), eps, y);
+      }
+      pend_ = {};
+      return;
+    }
+    flush_add();
+    mark("rmsnorm");
     cuda::rmsnorm(L_, x, n, d, stride, w.as<float>(), eps, y);
   }
 
-  void add(float* y, const float* x, int64_t n) override { cuda::add(L_, y, x, n); }
+  // Deferred to the next op: fused into rmsnorm when that reads the sum (the layer loop's
+  // residual-add-then-norm), launched alone before anything else.
+  void add(float* y, const float* x, int64_t n) override {
+    if (pmoe_.active && x == pmoe_.y && n == pmoe_.s.n * pmoe_.d && !pend_.y) {
+      pend_ = {y, x, n, true};  // y += (the pending MoE output)
+      return;
+    }
+    flush_add();
+    pend_ = {y, x, n, false};
+  }
 
   void linear(const float* x, int64_t n, const Linear& w, float* y) override {
-    run_linear(dev_linear(w), x, n, y, w.out());
+    flush_add();
+    if (opt_.profile) mark(str("linear ", w.out(), "x", w.in(), " ", dtype_name(w.weight.dtype)));
+    // Attention projections and the head stay float32-grade in fast mode too: their errors
+    // reach every later token through the cache. Fast mode is for the MLPs and experts.
+    run_linear(dev_linear(w), x, n, y, w.out(), /*exact=*/true);
   }
 
   void mlp(const MLPWeights& w, const float* x, int64_t n, float* y) override {
     const DevLinear w1 = dev_linear(w.w1), w3 = dev_linear(w.w3), w2 = dev_linear(w.w2);
     const int64_t inter = w1.rows, D = w2.rows;
+    flush_add();
+    mark("mlp");
     if (n <= opt_.gemv_max || !cuda::gemm_ok(w1) || !cuda::gemm_ok(w2)) {
       float* h = f32(kH, size_t(n * inter));
       cuda::gemv(L_, w1, &w3, x, w1.cols, nullptr, n, h, inter);
@@ -359,16 +428,26 @@ class CudaBackend final : public Backend {
   }
 
   void moe(const ModelArgs& a, const MoEWeights& w, const float* x, int64_t n, float* y) override {
+    flush_add();
+    mark("moe.gate");
     const MoeTable& T = moe_table(a, w);
     const int E = a.n_routed_experts, K = a.n_activated_experts;
-    // Gate logits [n, E] in float32.
+    // Gate logits [n, E] in float32, then the device router.
     float* logits = f32(kLogits, size_t(n * E));
-    run_linear(dev_linear(Linear{w.gate, {}}), x, n, logits, E);
     cuda::MoeSched s = sched(n, E, K, T.S);
     cuda::RouteArgs r;
     r.E = E, r.K = K, r.G = a.n_expert_groups, r.topk_groups = a.n_limited_groups;
     r.sigmoid = a.score_func != "softmax", r.norm = a.norm_topk_prob, r.route_scale = a.route_scale;
-    cuda::moe_route(L_, r, logits, w.bias.empty() ? nullptr : w.bias.as<float>(), s, nullptr, nullptr);
+    const float* bias = w.bias.empty() ? nullptr : w.bias.as<float>();
+    const DevLinear gate = dev_linear(Linear{w.gate, {}});
+    if (n <= std::min(opt_.gemv_max, 8) && gate.t != cuda::kFP8) {
+      cuda::gate_route(L_, gate, x, n, logits, r, bias, s, counter_);
+    } else {
+      run_linear(gate, x, n, logits, E, /*exact=*/true);  // routing: no bf16 shortcut
+      mark("moe.route");
+      cuda::moe_route(L_, r, logits, bias, s, nullptr, nullptr);
+    }
+    mark("moe.experts");
     const int64_t P = s.P(), D = a.dim;
     float* o = f32(kMoeO, size_t(P * D));
     if (n <= opt_.gemv_max || !T.gemm) {
@@ -380,11 +459,14 @@ class CudaBackend final : public Backend {
       cuda::moe_gemm(L_, 0, T.dev, T.rows13, T.wtype, s, x, D, T.rows13, h, 2 * T.rows13, opt_.fast);
       cuda::moe_gemm(L_, 1, T.dev, T.rows2, T.wtype, s, h, 2 * T.rows13, T.rows13, o, D, opt_.fast);
     }
-    cuda::moe_combine(L_, s, o, D, y);
+    // The weighted un-permute waits for the next op: the layer loop adds y to the residual and
+    // normalises, and that fuses (see rmsnorm).
+    pmoe_ = {s, o, D, y, true};
   }
 
   void mla(const ModelArgs& a, AttnImpl impl, const AttnWeights& w, const RopeTable& rope, const TokenPos* tp,
            int64_t n, float* q, float* kv, const LayerCache& cache, int64_t max_len, float* out) override {
+    flush_add();
     cuda::MlaDims d;
     d.H = a.n_heads, d.nope = a.qk_nope_head_dim, d.R = a.qk_rope_head_dim, d.C = a.kv_lora_rank;
     d.V = a.v_head_dim, d.max_len = max_len, d.scale = a.softmax_scale(), d.eps = a.rms_norm_eps;
@@ -395,30 +477,40 @@ class CudaBackend final : public Backend {
     const DevLinear wkv_b = dev_linear(w.wkv_b);
     const int64_t H = d.H, C = d.C, V = d.V, nope = d.nope;
     float* S = f32(kS, size_t(n * H * max_len));
+    flush_add();
+    mark("mla.prep");
     if (impl == AttnImpl::kAbsorb) {
-      cuda::mla_prep(L_, d, false, pos, n, q, kv, w.kv_norm.as<float>(), cs, cache.kv, cache.pe, nullptr, nullptr);
       float* qa = f32(kLat, size_t(n * H * C));
-      cuda::mla_qabs(L_, d, wkv_b, q, n, qa);
+      if (nope <= 128) {
+        cuda::mla_prep_qabs(L_, d, pos, n, q, kv, w.kv_norm.as<float>(), cs, cache.kv, cache.pe, wkv_b, qa);
+      } else {
+        cuda::mla_prep(L_, d, false, pos, n, q, kv, w.kv_norm.as<float>(), cs, cache.kv, cache.pe, nullptr, nullptr);
+        mark("mla.qabs");
+        cuda::mla_qabs(L_, d, wkv_b, q, n, qa);
+      }
+      mark("mla.scores");
       cuda::mla_scores(L_, d, pos, n, qa, q, cache.kv, cache.pe, S);
+      mark("mla.values");
       const int ns = cuda::mla_splits(d, n);
       float* ol = f32(kKvb, size_t(n * H * C));
       float* part = ns > 1 ? f32(kPart, size_t(ns * n * H * C)) : nullptr;
       float* ml = ns > 1 ? f32(kMl, size_t(ns * n * H * 2)) : nullptr;
       cuda::mla_values(L_, d, pos, n, S, cache.kv, ns, part, ml, ol);
       // out[i, h*V + v] = ol[i, h, :] · wkv_b[h*(nope+V) + nope + v, :], a GEMV per head.
+      mark("mla.out");
       const DevLinear wv = slice(wkv_b, nope, V, 0, C);
       cuda::GemvShift sh;
       sh.xs = C, sh.ys = V, sh.wrows = nope + V;
       const bool tc = n > opt_.gemv_max && wv.t != cuda::kF32 && cuda::gemm_ok(wv) &&
                       (wv.t != cuda::kFP8 || (nope + V) % 128 == 0);
-      if (tc) cuda::gemm(L_, wv, nullptr, 0, ol, H * C, nullptr, false, 0, n, out, H * V, opt_.fast, int(H), sh);
+      if (tc) cuda::gemm(L_, wv, nullptr, 0, ol, H * C, nullptr, false, 0, n, out, H * V, false, int(H), sh);
       else cuda::gemv(L_, wv, nullptr, ol, H * C, nullptr, n, out, H * V, int(H), sh);
       return;
     }
     float* lat = f32(kLat, size_t(n * C));
     cuda::mla_prep(L_, d, true, pos, n, q, kv, w.kv_norm.as<float>(), cs, nullptr, nullptr, lat, cache.k);
     float* kvb = f32(kKvb, size_t(n * H * (nope + V)));
-    run_linear(wkv_b, lat, n, kvb, H * (nope + V));
+    run_linear(wkv_b, lat, n, kvb, H * (nope + V), /*exact=*/true);
     cuda::mla_naive_store(L_, d, pos, n, kvb, cache.k, cache.v);
     cuda::mla_naive_scores(L_, d, pos, n, q, cache.k, S);
     cuda::mla_naive_values(L_, d, pos, n, S, cache.v, out);
@@ -426,6 +518,7 @@ class CudaBackend final : public Backend {
 
   // Test hook: the router alone.
   void route(const ModelArgs& a, const float* logits, const float* bias, int64_t n, int32_t* idx, float* wts) {
+    flush_add();
     const int E = a.n_routed_experts, K = a.n_activated_experts;
     cuda::MoeSched s = sched(n, E, K, 0);
     cuda::RouteArgs r;
@@ -469,6 +562,42 @@ class CudaBackend final : public Backend {
   }
   const int32_t* step_tok() const { return static_cast<const int32_t*>(step_dev_); }
   const DevPos* step_pos() const { return reinterpret_cast<const DevPos*>(static_cast<int32_t*>(step_dev_) + step_.n); }
+
+  // Launches whatever was deferred: the MoE un-permute, then the residual add.
+  void flush_add() {
+    if (pmoe_.active) {
+      mark("moe.combine");
+      cuda::moe_combine(L_, pmoe_.s, pmoe_.o, pmoe_.d, pmoe_.y);
+      pmoe_.active = false;
+    }
+    if (!pend_.y) return;
+    mark("add");
+    cuda::add(L_, pend_.y, pend_.x, pend_.n);
+    pend_ = {};
+  }
+
+  // Profiling: an event at each stage boundary; the time to the next one goes to the stage.
+  void mark(const std::string& name) {
+    if (!opt_.profile) return;
+    cudaEvent_t e = nullptr;
+    if (!free_events_.empty()) e = free_events_.back(), free_events_.pop_back();
+    else CK(cudaEventCreate(&e));
+    CK(cudaEventRecord(e, stream_));
+    marks_.push_back({name, e});
+  }
+  void flush_marks() {
+    if (!opt_.profile || marks_.empty()) return;
+    mark("(end)");
+    CK(cudaEventSynchronize(marks_.back().second));
+    for (size_t i = 0; i + 1 < marks_.size(); ++i) {
+      float ms = 0;
+      CK(cudaEventElapsedTime(&ms, marks_[i].second, marks_[i + 1].second));
+      prof_[marks_[i].first] += ms;
+    }
+    for (auto& m : marks_) free_events_.push_back(m.second);
+    marks_.clear();
+    ++prof_steps_;
+  }
 
   void no_capture(const char* what) const {
     if (capturing_) fail("CUDA backend: ", what, " while recording a step");
@@ -524,10 +653,16 @@ class CudaBackend final : public Backend {
     return static_cast<const DevPos*>(d);
   }
 
+  // The rope table on the device, uploaded again when the host table changes (pointer, size or
+  // a sample of its values: a new table can reuse a freed one's address).
   const float* rope_table(const RopeTable& rope) {
     const float* host = rope.at(0);
     const size_t n = size_t(rope.n_positions()) * size_t(2 * rope.half());
-    if (host == rope_host_ && n == rope_n_) return rope_dev_;
+    std::vector<float> fp;
+    for (size_t i = 0; i < 64 && n > 0; ++i) fp.push_back(host[(i * 2654435761u) % n]);
+    fp.push_back(host[n - 1]);
+    if (host == rope_host_ && n == rope_n_ && fp == rope_fp_) return rope_dev_;
+    rope_fp_ = fp;
     no_capture("rope upload");
     if (rope_dev_) CK(cudaFree(rope_dev_));
     CK(cudaMalloc(&rope_dev_, n * 4));
@@ -594,18 +729,19 @@ class CudaBackend final : public Backend {
   }
 
   // y[n, out] = x[n, in] · Wᵀ.
-  void run_linear(const DevLinear& w, const float* x, int64_t n, float* y, int64_t ldy) {
+  void run_linear(const DevLinear& w, const float* x, int64_t n, float* y, int64_t ldy, bool exact = false) {
+    const bool fast = opt_.fast && !exact;
     if (n <= opt_.gemv_max || w.t == cuda::kF32 || !cuda::gemm_ok(w)) {
       cuda::gemv(L_, w, nullptr, x, w.cols, nullptr, n, y, ldy);
     } else if (opt_.cublas && w.t == cuda::kBF16 && n >= 128 && w.row0 == 0 && w.col0 == 0 && w.ld == w.cols &&
                !capturing_) {
-      cublas_linear(w, x, n, y, ldy);
+      cublas_linear(w, x, n, y, ldy, fast);
     } else {
-      cuda::gemm(L_, w, nullptr, 0, x, w.cols, nullptr, false, 0, n, y, ldy, opt_.fast);
+      cuda::gemm(L_, w, nullptr, 0, x, w.cols, nullptr, false, 0, n, y, ldy, fast);
     }
   }
 
-  void cublas_linear(const DevLinear& w, const float* x, int64_t n, float* y, int64_t ldy) {
+  void cublas_linear(const DevLinear& w, const float* x, int64_t n, float* y, int64_t ldy, bool fast) {
     if (!cublas_) {
       CB(cublasCreate(&cublas_));
       CB(cublasSetStream(cublas_, stream_));
@@ -613,7 +749,7 @@ class CudaBackend final : public Backend {
     }
     const int64_t in = w.cols, out = w.rows;
     void* hi = scratch(kHi, size_t(n * in) * 2);
-    void* lo = opt_.fast ? nullptr : scratch(kLo, size_t(n * in) * 2);
+    void* lo = fast ? nullptr : scratch(kLo, size_t(n * in) * 2);
     cuda::split_bf16(L_, x, n * in, hi, lo);
     const float one = 1.f, zero = 0.f;
     // Column-major view: y^T [out, n] = W [in, out]^T · x^T [in, n].
@@ -633,8 +769,10 @@ class CudaBackend final : public Backend {
   std::map<const void*, MoeTable> moe_;
   float* rope_dev_ = nullptr;
   const float* rope_host_ = nullptr;
+  std::vector<float> rope_fp_;
   size_t rope_n_ = 0;
   void* staging_ = nullptr;
+  unsigned* counter_ = nullptr;  // zeroed word for the fused gate + router
   cudaEvent_t staging_done_ = nullptr;
   void* step_dev_ = nullptr;
   size_t step_cap_ = 0;
@@ -642,6 +780,23 @@ class CudaBackend final : public Backend {
   std::map<GraphKey, Graph> graphs_;
   Graph* capturing_ = nullptr;
   Graph* replay_ = nullptr;
+  struct PendingAdd {
+    float* y = nullptr;
+    const float* x = nullptr;
+    int64_t n = 0;
+    bool from_moe = false;  // x is the pending MoE output
+  } pend_;
+  struct PendingMoe {
+    cuda::MoeSched s;
+    const float* o = nullptr;
+    int64_t d = 0;
+    float* y = nullptr;
+    bool active = false;
+  } pmoe_;
+  std::vector<std::pair<std::string, cudaEvent_t>> marks_;
+  std::vector<cudaEvent_t> free_events_;
+  std::map<std::string, double> prof_;
+  int64_t prof_steps_ = 0;
 };
 
 CudaBackend& as_cuda(Backend& b) {
@@ -673,6 +828,8 @@ bool device_available(std::string* why) {
 }
 
 ModelWeights random_weights(Backend& b, const ModelArgs& a, uint64_t seed) { return as_cuda(b).random_weights(a, seed); }
+
+std::string profile_report(Backend& b, bool reset) { return as_cuda(b).profile_report(reset); }
 
 void route_for_test(Backend& b, const ModelArgs& a, const float* logits, const float* bias, int64_t n, int32_t* idx,
                     float* w) {

@@ -11,11 +11,12 @@ namespace dsv3 {
 struct CudaOptions {
   bool graphs = true;   // record decode steps as CUDA graphs and replay them (DSV3_CUDA_GRAPH=0: off)
   bool pdl = true;      // programmatic dependent launch between kernels (DSV3_CUDA_PDL=0: off)
-  bool fast = false;    // one bf16 pass for activations in tensor-core GEMMs (DSV3_CUDA_FAST=1);
-                        // default: bf16 hi + lo parts, float32-grade results
+  bool fast = false;    // one bf16 pass for activations in the MLP/expert tensor-core GEMMs
+                        // (DSV3_CUDA_FAST=1); default: bf16 hi + lo parts, float32-grade results
   bool cublas = false;  // bf16 dense GEMMs through cuBLAS for many tokens (DSV3_CUDA_CUBLAS=1)
   int gemv_max = 8;     // the GEMV kernels up to this many tokens, tensor cores above (DSV3_CUDA_GEMV_MAX)
   int graph_max = 16;   // steps of up to this many tokens are recorded (DSV3_CUDA_GRAPH_MAX)
+  bool profile = false; // time every op and kernel group with events, graphs off (DSV3_CUDA_PROFILE=1)
   // FP8 weights are always dequantised inside the kernels (no FP8 tensor-core path yet), which is
   // what DSV3_CUDA_FP8_DEQUANT=1 asks for; the variable is accepted for that reason.
   static CudaOptions from_env();
@@ -37,6 +38,10 @@ ModelWeights random_weights(Backend& cuda_backend, const ModelArgs& a, uint64_t 
 // [n, K] to the host, in the order of model/gate.cc's route_token. For tests.
 void route_for_test(Backend& cuda_backend, const ModelArgs& a, const float* logits, const float* bias, int64_t n,
                     int32_t* indices, float* weights);
+
+// With CudaOptions::profile: milliseconds per step spent in each op / kernel group since the last
+// reset, one line each, largest first.
+std::string profile_report(Backend& cuda_backend, bool reset = true);
 
 // Device-to-device copy bandwidth in GB/s, counting bytes read plus bytes written.
 double copy_bandwidth_gbps(size_t bytes, int reps);

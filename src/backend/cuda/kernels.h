@@ -52,6 +52,8 @@ void embed(const Launch& L, const int32_t* tok, int64_t n, const void* table, in
 void rmsnorm(const Launch& L, const float* x, int64_t n, int64_t d, int64_t stride, const float* w, float eps,
              float* y);
 void add(const Launch& L, float* y, const float* x, int64_t n);
+// h[i, :d] += r[i, :d]; y[i, :d] = rmsnorm(h[i]) * w (rows contiguous).
+void add_rmsnorm(const Launch& L, float* h, const float* r, int64_t n, int64_t d, const float* w, float eps, float* y);
 // hi = bf16(x), lo = bf16(x - hi): x ≈ hi + lo to ~2^-16 relative (for the cuBLAS path).
 void split_bf16(const Launch& L, const float* x, int64_t n, void* hi, void* lo);
 // Fills n elements of type t with reproducible pseudo-random values uniform in [-a, a]
@@ -122,6 +124,13 @@ void moe_gemm(const Launch& L, int stage, const DevExpert* table, int64_t max_ro
               const float* in, int64_t ldin, int64_t half, float* out, int64_t ldout, bool fast);
 // y[i, :d] = sum_k pw[i,k] * o[pair_of[i,k], :d] (routed, by expert index) + shared slices.
 void moe_combine(const Launch& L, const MoeSched& s, const float* o, int64_t d, float* y);
+// moe_combine, then h += y and x = rmsnorm(h) * w.
+void moe_combine_add_rmsnorm(const Launch& L, const MoeSched& s, const float* o, int64_t d, float* y, float* h,
+                             const float* w, float eps, float* x);
+// The gate GEMV (logits [n, E], n <= 8) and moe_route in one launch; `counter` is a zeroed
+// device word that the kernel leaves zeroed.
+void gate_route(const Launch& L, const DevLinear& gate, const float* x, int64_t n, float* logits, const RouteArgs& r,
+                const float* bias, const MoeSched& s, unsigned* counter);
 
 // ---- MLA (kernels_mla.cu)
 struct MlaDims {
@@ -135,6 +144,10 @@ struct MlaDims {
 void mla_prep(const Launch& L, const MlaDims& d, bool naive, const DevPos* pos, int64_t n, float* q,
               const float* kv, const float* kv_norm_w, const float* rope, float* cache_kv, float* cache_pe,
               float* latent, float* cache_k);
+// mla_prep (absorbed) and mla_qabs in one launch.
+void mla_prep_qabs(const Launch& L, const MlaDims& d, const DevPos* pos, int64_t n, float* q, const float* kv,
+                   const float* kv_norm_w, const float* rope, float* cache_kv, float* cache_pe, const DevLinear& wkv_b,
+                   float* qa);
 // qa[i, h, c] = sum_{d < nope} q[i, h, d] * wkv_b[h * (nope + V) + d, c]
 void mla_qabs(const Launch& L, const MlaDims& d, const DevLinear& wkv_b, const float* q, int64_t n, float* qa);
 // S[i, h, t] = (qa[i,h]·kv[t] + q_pe[i,h]·pe[t]) * scale for t <= pos_i (S rows max_len long).

@@ -41,6 +41,26 @@ __global__ void rmsnorm_kernel(const float* x, int64_t d, int64_t stride, const 
   for (int64_t k = threadIdx.x; k < d; k += blockDim.x) yi[k] = xi[k] * r * w[k];
 }
 
+// h += r, then y = rmsnorm(h) (the residual add and the next layer's norm in one pass).
+__global__ void add_rmsnorm_kernel(float* h, const float* __restrict__ r, int64_t d, const float* __restrict__ w,
+                                   float eps, float* y) {
+  __shared__ float red[33];
+  pdl_wait();
+  pdl_trigger();
+  float* hi = h + blockIdx.x * d;
+  const float* ri = r + blockIdx.x * d;
+  float* yi = y + blockIdx.x * d;
+  float ss = 0.f;
+  for (int64_t k = threadIdx.x; k < d; k += blockDim.x) {
+    const float v = hi[k] + ri[k];
+    hi[k] = v;
+    ss += v * v;
+  }
+  ss = block_sum(ss, red);
+  const float rr = 1.f / sqrtf(ss / float(d) + eps);
+  for (int64_t k = threadIdx.x; k < d; k += blockDim.x) yi[k] = hi[k] * rr * w[k];
+}
+
 __global__ void add_kernel(float* __restrict__ y, const float* __restrict__ x, int64_t n) {
   pdl_wait();
   pdl_trigger();
@@ -101,6 +121,11 @@ void rmsnorm(const Launch& L, const float* x, int64_t n, int64_t d, int64_t stri
              float* y) {
   const int threads = d >= 1024 ? 512 : (d >= 256 ? 256 : 128);
   launch(L, rmsnorm_kernel, dim3(unsigned(n)), dim3(threads), 0, x, d, stride, w, eps, y);
+}
+
+void add_rmsnorm(const Launch& L, float* h, const float* r, int64_t n, int64_t d, const float* w, float eps, float* y) {
+  const int threads = d >= 1024 ? 512 : (d >= 256 ? 256 : 128);
+  launch(L, add_rmsnorm_kernel, dim3(unsigned(n)), dim3(threads), 0, h, r, d, w, eps, y);
 }
 
 void add(const Launch& L, float* y, const float* x, int64_t n) {

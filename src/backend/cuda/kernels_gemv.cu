@@ -3,6 +3,7 @@
 // hardware conversion, times its 128x128 block scale), and dots them with up to NT tokens'
 // float32 activations (read through L1). float32 accumulation throughout.
 #include "backend/cuda/common.cuh"
+#include "backend/cuda/moe_route.cuh"
 #include <algorithm>
 
 #include "core/error.h"
@@ -11,7 +12,10 @@ namespace dsv3::cuda {
 namespace {
 
 constexpr int kWarps = 8;  // 256 threads per block
-constexpr int kUnroll = 4; // 16-byte loads in flight per row per lane
+// 16-byte loads in flight per row per lane: more for one token (the bandwidth-bound case), fewer
+// where eight tokens' accumulators need the registers.
+template <int NT>
+__host__ __device__ constexpr int unroll() { return NT == 1 ? 8 : 4; }
 
 template <int WT>
 __host__ __device__ constexpr int chunk_elems() { return WT == kBF16 ? 8 : (WT == kFP8 ? 16 : 4); }
@@ -109,6 +113,7 @@ __device__ void warp_rows(const Job& J, int64_t ra, int64_t rb) {
                               : pa;
       const float* sa = WT == kFP8 ? A.s + ((A.row0 + ra) >> 7) * A.lds : nullptr;
       const float* sb = WT == kFP8 && has_b ? B.s + ((B.row0 + rb) >> 7) * B.lds : nullptr;
+      constexpr int kUnroll = unroll<NT>();
       for (int64_t c0 = lane; c0 < nch; c0 += 32 * kUnroll) {
         uint4 wa[kUnroll], wb[kUnroll];
 #pragma unroll
@@ -167,40 +172,182 @@ __device__ void warp_rows(const Job& J, int64_t ra, int64_t rb) {
   }
 }
 
+// The streaming path (16-byte weights, m <= NT tokens): the warp walks its row groups (a row pair,
+// or w1/w3 rows when fused) in batches of PU chunks per row and lane, loading batch i + 1 while it
+// computes batch i, so its loads stay in flight back to back. The first batch may be loaded
+// before pdl_wait (weights never depend on the previous kernel): `first_loaded`.
+template <int NT>
+__host__ __device__ constexpr int pipe_unroll() { return NT == 1 ? 4 : 2; }
+
 template <int WT, int NT>
-__device__ __forceinline__ void run_job(const Job& J, int64_t row_block) {
-  const int warp = threadIdx.x >> 5;
+struct Stream {
+  static constexpr int CE = chunk_elems<WT>(), PU = pipe_unroll<NT>();
+  const Job& J;
+  int64_t nch, nb, ngroups, stride;
+  int lane;
+  __device__ Stream(const Job& j, int64_t first, int64_t stride_) : J(j), stride(stride_), lane(threadIdx.x & 31) {
+    nch = J.a.cols / CE;
+    nb = (nch + 32 * PU - 1) / (32 * PU);
+    ngroups = J.fused ? J.a.rows : (J.a.rows + 1) / 2;
+    (void)first;
+  }
+  __device__ void rows_of(int64_t g, int64_t& ra, int64_t& rb) const {
+    if (J.fused) ra = rb = g;
+    else ra = 2 * g, rb = 2 * g + 1 < J.a.rows ? 2 * g + 1 : -1;
+  }
+  __device__ const uint4* row_ptr(const DevLinear& L, int64_t r) const {
+    return reinterpret_cast<const uint4*>(static_cast<const char*>(L.w) + ((L.row0 + r) * L.ld + L.col0) * elem_bytes<WT>());
+  }
+  __device__ void load(int64_t g, int64_t b, uint4* wa, uint4* wb) const {
+    int64_t ra, rb;
+    rows_of(g, ra, rb);
+    const uint4* pa = row_ptr(J.a, ra);
+    const uint4* pb = rb >= 0 ? row_ptr(J.b, rb) : pa;
+#pragma unroll
+    for (int u = 0; u < PU; ++u) {
+      const int64_t c = b * 32 * PU + 32 * u + lane;
+      if (c < nch) {
+        wa[u] = ld_stream(pa + c);
+        if (rb >= 0) wb[u] = ld_stream(pb + c);
+      }
+    }
+  }
+  __device__ void compute(int64_t g, int64_t b, const uint4* wa, const uint4* wb, const float* const* xr, float* a0,
+                          float* a1) const {
+    int64_t ra, rb;
+    rows_of(g, ra, rb);
+    const float* sa = WT == kFP8 ? J.a.s + ((J.a.row0 + ra) >> 7) * J.a.lds : nullptr;
+    const float* sb = WT == kFP8 && rb >= 0 ? J.b.s + ((J.b.row0 + rb) >> 7) * J.b.lds : nullptr;
+#pragma unroll
+    for (int u = 0; u < PU; ++u) {
+      const int64_t c = b * 32 * PU + 32 * u + lane;
+      if (c < nch) {
+        const int64_t k = c * CE;
+        float w[CE];
+        decode<WT>(wa[u], w);
+        chunk_dot<WT, NT>(w, WT == kFP8 ? sa[(J.a.col0 + k) >> 7] : 1.f, xr, k, a0);
+        if (rb >= 0) {
+          decode<WT>(wb[u], w);
+          chunk_dot<WT, NT>(w, WT == kFP8 ? sb[(J.b.col0 + k) >> 7] : 1.f, xr, k, a1);
+        }
+      }
+    }
+  }
+  __device__ void finish(int64_t g, float* a0, float* a1) const {
+    int64_t ra, rb;
+    rows_of(g, ra, rb);
+#pragma unroll
+    for (int j = 0; j < NT; ++j) {
+      a0[j] = warp_sum(a0[j]);
+      a1[j] = warp_sum(a1[j]);
+    }
+    if (lane == 0) {
+#pragma unroll
+      for (int j = 0; j < NT; ++j) {
+        if (j >= J.m) break;
+        float* yj = J.y + j * J.ldy;
+        if (J.fused) {
+          yj[ra] = silu(a0[j]) * a1[j];
+        } else {
+          yj[ra] = a0[j];
+          if (rb >= 0) yj[rb] = a1[j];
+        }
+      }
+    }
+#pragma unroll
+    for (int j = 0; j < NT; ++j) a0[j] = a1[j] = 0.f;
+  }
+};
+
+// Row groups first, first + stride, ... of one job; calls pdl_wait before reading activations.
+template <int WT, int NT>
+__device__ void run_stream(const Job& J, int64_t first, int64_t stride, bool prefetch) {
+  Stream<WT, NT> S(J, first, stride);
+  constexpr int PU = Stream<WT, NT>::PU;
+  if (first >= S.ngroups) {
+    pdl_wait();
+    return;
+  }
+  uint4 ca[PU], cb[PU], na[PU], nb_[PU];
+  int64_t g = first, b = 0;
+  if (prefetch) S.load(g, b, ca, cb);
+  pdl_wait();
+  if (!prefetch) S.load(g, b, ca, cb);
+  const float* xr[NT];
+#pragma unroll
+  for (int j = 0; j < NT; ++j) xr[j] = j < J.m ? J.x + (J.idx ? int64_t(J.idx[j]) : int64_t(j)) * J.ldx : nullptr;
+  float a0[NT], a1[NT];
+#pragma unroll
+  for (int j = 0; j < NT; ++j) a0[j] = a1[j] = 0.f;
+  while (true) {
+    int64_t g2 = g, b2 = b + 1;
+    if (b2 == S.nb) b2 = 0, g2 = g + stride;
+    const bool more = g2 < S.ngroups;
+    if (more) S.load(g2, b2, na, nb_);
+    S.compute(g, b, ca, cb, xr, a0, a1);
+    if (b == S.nb - 1) S.finish(g, a0, a1);
+    if (!more) break;
+    g = g2, b = b2;
+#pragma unroll
+    for (int u = 0; u < PU; ++u) ca[u] = na[u], cb[u] = nb_[u];
+  }
+}
+
+// The general path (any layout, any number of tokens): one row group per warp, NT tokens at a time.
+template <int WT, int NT>
+__device__ void run_general(const Job& J, int64_t first, int64_t stride) {
+  pdl_wait();
   const int64_t rows = J.a.rows;
-  if (J.fused) {
-    const int64_t r = row_block * kWarps + warp;
-    if (r < rows) warp_rows<WT, NT>(J, r, r);
-  } else {
-    const int64_t r = (row_block * kWarps + warp) * 2;
-    if (r < rows) warp_rows<WT, NT>(J, r, r + 1 < rows ? r + 1 : -1);
+  const int64_t groups = J.fused ? rows : (rows + 1) / 2;
+  for (int64_t g = first; g < groups; g += stride) {
+    if (J.fused) warp_rows<WT, NT>(J, g, g);
+    else warp_rows<WT, NT>(J, 2 * g, 2 * g + 1 < rows ? 2 * g + 1 : -1);
   }
 }
 
 template <int WT, int NT>
-__global__ void __launch_bounds__(kWarps * 32) gemv_kernel(Job J, GemvShift sh) {
-  pdl_wait();
-  pdl_trigger();
+__device__ __forceinline__ void run_job(const Job& J, bool prefetch) {
+  const int64_t first = int64_t(blockIdx.x) * kWarps + (threadIdx.x >> 5), stride = int64_t(gridDim.x) * kWarps;
+  if (J.vec && J.m <= NT) run_stream<WT, NT>(J, first, stride, prefetch);
+  else run_general<WT, NT>(J, first, stride);
+}
+
+template <int WT, int NT>
+__global__ void __launch_bounds__(kWarps * 32, 2) gemv_kernel(Job J, GemvShift sh) {
   const int64_t b = blockIdx.y;
   J.x += b * sh.xs;
   J.y += b * sh.ys;
   J.a.row0 += b * sh.wrows;
   J.b.row0 += b * sh.wrows;
-  run_job<WT, NT>(J, blockIdx.x);
+  run_job<WT, NT>(J, true);  // waits inside, after its first weight loads
+  pdl_trigger();
 }
 
+// blockIdx.y: the shared-expert slices first (known before routing: their weights are loaded
+// while the router runs), then the routed experts in the active list.
 template <int WT, int NT>
-__global__ void __launch_bounds__(kWarps * 32) moe_gemv_kernel(int stage, const DevExpert* __restrict__ table,
-                                                               MoeSched s, const float* in, int64_t ldin, bool xvec,
-                                                               float* out, int64_t ldout) {
-  pdl_wait();
-  pdl_trigger();
-  if (int(blockIdx.y) >= *s.n_active) return;
-  const int e = s.active[blockIdx.y];
-  const int64_t off = s.off[e], cnt = s.cnt[e];
+__global__ void __launch_bounds__(kWarps * 32, 2) moe_gemv_kernel(int stage, const DevExpert* __restrict__ table,
+                                                                  MoeSched s, const float* in, int64_t ldin, bool xvec,
+                                                                  float* out, int64_t ldout) {
+  const int y = blockIdx.y;
+  // Stage 1 runs after stage 0 has passed its wait, so the router's schedule is complete: read it
+  // (from L2) and start on the weights before waiting for stage 0's output.
+  const bool early = y < s.S || stage == 1;
+  if (!early) pdl_wait();
+  int e;
+  int64_t off, cnt;
+  if (y < s.S) {  // shared slice y: every token, after all routed pairs (no schedule read needed)
+    e = s.E + y, off = s.n * s.K + y * s.n, cnt = s.n;
+  } else {
+    const int na = __ldcg(s.n_active) - s.S;
+    if (y - s.S >= na) {
+      pdl_wait();
+      pdl_trigger();
+      return;
+    }
+    e = __ldcg(s.active + (y - s.S));
+    off = __ldcg(s.off + e), cnt = __ldcg(s.cnt + e);
+  }
   const DevExpert& X = table[e];
   Job J;
   if (stage == 0) {
@@ -215,15 +362,61 @@ __global__ void __launch_bounds__(kWarps * 32) moe_gemv_kernel(int stage, const 
   J.m = cnt;
   J.y = out + off * ldout;
   J.ldy = ldout;
-  run_job<WT, NT>(J, blockIdx.x);
+  run_job<WT, NT>(J, true);  // (a second pdl_wait is a no-op)
+  pdl_trigger();
+}
+
+// The MoE gate for a few tokens (a GEMV over the experts' rows, logits to J.y) with the router
+// and the grouping run by whichever block finishes last (a device counter, reset by it): one
+// launch instead of two.
+template <int WT, int NT>
+__global__ void __launch_bounds__(kWarps * 32, 2) gate_route_kernel(Job J, RouteArgs ra, const float* bias, MoeSched s,
+                                                                    unsigned* counter) {
+  __shared__ float sc_s[kWarps][kMaxE], ch_s[kWarps][kMaxE];
+  __shared__ float gs_s[kWarps][kMaxG];
+  __shared__ bool last;
+  run_job<WT, NT>(J, true);
+  __threadfence();
+  __syncthreads();
+  if (threadIdx.x == 0) last = atomicAdd(counter, 1u) == gridDim.x - 1;
+  __syncthreads();
+  if (last) {
+    __threadfence();
+    const int warp = threadIdx.x >> 5;
+    for (int64_t i = warp; i < s.n; i += kWarps)
+      route_token_warp(ra, J.y, bias, s, i, sc_s[warp], ch_s[warp], gs_s[warp], nullptr, nullptr);
+    __syncthreads();
+    group_pairs(s, true);
+    if (threadIdx.x == 0) *counter = 0;
+  }
+  pdl_trigger();
 }
 
 bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
 
+int g_sms = 0;
+int sms() {
+  if (!g_sms) {
+    int dev = 0;
+    cudaGetDevice(&dev);
+    cudaDeviceGetAttribute(&g_sms, cudaDevAttrMultiProcessorCount, dev);
+    if (g_sms <= 0) g_sms = 132;
+  }
+  return g_sms;
+}
+
+// Blocks for `groups` row groups: every group its own warp when that fits in two blocks per SM,
+// else two blocks per SM whose warps loop (the streaming path pipelines across groups).
+// (Eight tokens: one group per warp and many blocks, which measured faster there.)
+unsigned gemv_blocks(int64_t groups, int64_t batch, int nt) {
+  const int64_t want = (groups + kWarps - 1) / kWarps, cap = std::max<int64_t>(1, 2 * sms() / std::max<int64_t>(batch, 1));
+  return unsigned(std::max<int64_t>(1, nt == 1 ? std::min(want, cap) : want));
+}
+
 template <int WT, int NT>
 void launch_gemv(const Launch& L, const Job& J, int batch, GemvShift sh) {
-  const int64_t rows_per_block = J.fused ? kWarps : 2 * kWarps;
-  launch(L, gemv_kernel<WT, NT>, dim3(cdiv(J.a.rows, rows_per_block), unsigned(batch)), dim3(kWarps * 32), 0, J, sh);
+  const int64_t groups = J.fused ? J.a.rows : (J.a.rows + 1) / 2;
+  launch(L, gemv_kernel<WT, NT>, dim3(gemv_blocks(groups, batch, NT), unsigned(batch)), dim3(kWarps * 32), 0, J, sh);
 }
 
 template <int WT>
@@ -261,9 +454,9 @@ void gemv(const Launch& L, const DevLinear& w, const DevLinear* w3, const float*
 
 void moe_gemv(const Launch& L, int stage, const DevExpert* table, int64_t max_rows, int32_t wtype, const MoeSched& s,
               const float* in, int64_t ldin, float* out, int64_t ldout) {
-  const int64_t rows_per_block = stage == 0 ? kWarps : 2 * kWarps;
+  const int64_t groups = stage == 0 ? max_rows : (max_rows + 1) / 2;
   const int64_t max_active = std::min<int64_t>(s.NE(), s.n * s.K + s.S);
-  const dim3 grid(cdiv(max_rows, rows_per_block), unsigned(max_active));
+  const dim3 grid(gemv_blocks(groups, max_active, s.n == 1 ? 1 : 8), unsigned(max_active));
   const bool xvec = aligned16(in) && ldin % 4 == 0;
   const bool one = s.n == 1;  // each expert then sees exactly one token
   switch (wtype) {
@@ -279,6 +472,26 @@ void moe_gemv(const Launch& L, int stage, const DevExpert* table, int64_t max_ro
       if (one) launch(L, moe_gemv_kernel<kF32, 1>, grid, dim3(kWarps * 32), 0, stage, table, s, in, ldin, xvec, out, ldout);
       else launch(L, moe_gemv_kernel<kF32, 8>, grid, dim3(kWarps * 32), 0, stage, table, s, in, ldin, xvec, out, ldout);
       break;
+  }
+}
+
+void gate_route(const Launch& L, const DevLinear& gate, const float* x, int64_t n, float* logits, const RouteArgs& r,
+                const float* bias, const MoeSched& s, unsigned* counter) {
+  DSV3_CHECK(n <= 8 && r.E <= kMaxE && r.K <= kMaxK && r.G <= kMaxG && s.S <= 16 && r.E % r.G == 0);
+  Job J;
+  J.a = J.b = gate;
+  J.fused = false;
+  J.x = x, J.ldx = gate.cols, J.idx = nullptr, J.m = n, J.y = logits, J.ldy = gate.rows;
+  J.vec = aligned16(x) && gate.cols % 4 == 0 && vec_ok(gate);
+  const dim3 grid(unsigned((gate.rows + 2 * kWarps - 1) / (2 * kWarps)));
+  const bool one = n == 1;
+  if (gate.t == kBF16) {
+    if (one) launch(L, gate_route_kernel<kBF16, 1>, grid, dim3(kWarps * 32), 0, J, r, bias, s, counter);
+    else launch(L, gate_route_kernel<kBF16, 8>, grid, dim3(kWarps * 32), 0, J, r, bias, s, counter);
+  } else {
+    DSV3_CHECK(gate.t == kF32, "MoE gate weight must be bf16 or float32 on the device");
+    if (one) launch(L, gate_route_kernel<kF32, 1>, grid, dim3(kWarps * 32), 0, J, r, bias, s, counter);
+    else launch(L, gate_route_kernel<kF32, 8>, grid, dim3(kWarps * 32), 0, J, r, bias, s, counter);
   }
 }
 

@@ -15,13 +15,26 @@ constexpr int kHB = 16;    // heads per block in the absorbed score/value kernel
 constexpr int kMaxJ = 18;  // (kv_lora_rank + rope) / 32 held per lane: up to 576
 constexpr int kTB = 16;    // tokens per pass in the q absorption
 
-__global__ void prep_kernel(MlaDims d, bool naive, const DevPos* __restrict__ pos, float* q, const float* kv,
-                            const float* __restrict__ nw, const float* __restrict__ rope, float* cache_kv,
-                            float* cache_pe, float* latent, float* cache_k) {
-  __shared__ float red[33];
-  pdl_wait();
-  pdl_trigger();
-  const int64_t i = blockIdx.x;
+struct PrepArgs {
+  MlaDims d;
+  bool naive;
+  const DevPos* pos;
+  float* q;
+  const float* kv;
+  const float* nw;
+  const float* rope;
+  float *cache_kv, *cache_pe, *latent, *cache_k;
+};
+
+__device__ void prep_token(const PrepArgs& P, int64_t i, float* red) {
+  const MlaDims& d = P.d;
+  const bool naive = P.naive;
+  const DevPos* pos = P.pos;
+  float* q = P.q;
+  const float* kv = P.kv;
+  const float* nw = P.nw;
+  const float* rope = P.rope;
+  float *cache_kv = P.cache_kv, *cache_pe = P.cache_pe, *latent = P.latent, *cache_k = P.cache_k;
   const DevPos p = pos[i];
   const int half = d.R / 2, qk = d.qk();
   const float* cs = rope + int64_t(p.pos) * d.R;
@@ -56,6 +69,13 @@ __global__ void prep_kernel(MlaDims d, bool naive, const DevPos* __restrict__ po
   }
 }
 
+__global__ void prep_kernel(PrepArgs P) {
+  __shared__ float red[33];
+  pdl_wait();
+  pdl_trigger();
+  prep_token(P, blockIdx.x, red);
+}
+
 template <int WT>
 __device__ __forceinline__ float wload(const DevLinear& w, int64_t r, int64_t c) {
   const int64_t rr = w.row0 + r, off = rr * w.ld + w.col0 + c;
@@ -68,17 +88,25 @@ __device__ __forceinline__ float wload(const DevLinear& w, int64_t r, int64_t c)
 // Block: 64 latent columns of one head; warp w takes d = w, w + 8, ... (loads first, then FMAs),
 // lane the columns 2*lane, 2*lane + 1; the 8 warps' partial sums meet in shared memory.
 template <int WT>
-__global__ void __launch_bounds__(256) qabs_kernel(MlaDims d, DevLinear w, const float* __restrict__ q, int64_t n,
-                                                   float* __restrict__ qa) {
-  extern __shared__ float smem[];  // qs [kTB][nope], then red [8][kTB][64]
+__device__ void qabs_block(const MlaDims& d, const DevLinear& w, const float* __restrict__ q, int64_t n,
+                           float* __restrict__ qa, int h, int cblk, float* smem) {
+  // smem: qs [kTB][nope], then red [8][kTB][64]
   float* qs = smem;
   float* red = smem + kTB * d.nope;
+  const int qk = d.qk(), warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int64_t c0 = int64_t(cblk) * 64, ca = c0 + 2 * lane, cb = ca + 1;
+  const int64_t wrow = int64_t(h) * (d.nope + d.V);
+  constexpr int kPer = 16;  // d values per warp: d = warp + 8 u (nope <= 128)
+  // The weights do not depend on earlier kernels: load them before waiting, keep them for all tokens.
+  float wa[kPer], wb[kPer];
+#pragma unroll
+  for (int u = 0; u < kPer; ++u) {
+    const int k = warp + 8 * u;
+    wa[u] = (k < d.nope && ca < d.C) ? wload<WT>(w, wrow + k, ca) : 0.f;
+    wb[u] = (k < d.nope && cb < d.C) ? wload<WT>(w, wrow + k, cb) : 0.f;
+  }
   pdl_wait();
   pdl_trigger();
-  const int h = blockIdx.x, qk = d.qk(), warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const int64_t c0 = int64_t(blockIdx.y) * 64, ca = c0 + 2 * lane, cb = ca + 1;
-  const int64_t wrow = int64_t(h) * (d.nope + d.V);
-  constexpr int kPer = 16;  // d values per warp per step (nope <= 128 in one step)
   for (int64_t t0 = 0; t0 < n; t0 += kTB) {
     const int tb = int(n - t0 < kTB ? n - t0 : kTB);
     __syncthreads();
@@ -90,24 +118,15 @@ __global__ void __launch_bounds__(256) qabs_kernel(MlaDims d, DevLinear w, const
     float acc[2][kTB];
 #pragma unroll
     for (int j = 0; j < kTB; ++j) acc[0][j] = acc[1][j] = 0.f;
-    for (int k0 = warp; k0 < d.nope; k0 += 8 * kPer) {
-      float wa[kPer], wb[kPer];
 #pragma unroll
-      for (int u = 0; u < kPer; ++u) {
-        const int k = k0 + 8 * u;
-        wa[u] = (k < d.nope && ca < d.C) ? wload<WT>(w, wrow + k, ca) : 0.f;
-        wb[u] = (k < d.nope && cb < d.C) ? wload<WT>(w, wrow + k, cb) : 0.f;
-      }
+    for (int u = 0; u < kPer; ++u) {
+      const int k = warp + 8 * u;
+      if (k >= d.nope) break;
 #pragma unroll
-      for (int u = 0; u < kPer; ++u) {
-        const int k = k0 + 8 * u;
-        if (k >= d.nope) break;
-#pragma unroll
-        for (int j = 0; j < kTB; ++j) {
-          const float qv = qs[j * d.nope + k];
-          acc[0][j] = fmaf(qv, wa[u], acc[0][j]);
-          acc[1][j] = fmaf(qv, wb[u], acc[1][j]);
-        }
+      for (int j = 0; j < kTB; ++j) {
+        const float qv = qs[j * d.nope + k];
+        acc[0][j] = fmaf(qv, wa[u], acc[0][j]);
+        acc[1][j] = fmaf(qv, wb[u], acc[1][j]);
       }
     }
 #pragma unroll
@@ -126,6 +145,28 @@ __global__ void __launch_bounds__(256) qabs_kernel(MlaDims d, DevLinear w, const
   }
 }
 
+template <int WT>
+__global__ void __launch_bounds__(256) qabs_kernel(MlaDims d, DevLinear w, const float* __restrict__ q, int64_t n,
+                                                   float* __restrict__ qa) {
+  extern __shared__ float smem[];
+  qabs_block<WT>(d, w, q, n, qa, blockIdx.x, blockIdx.y, smem);
+}
+
+// Absorbed decode: the q absorption (reads q's nope parts) and RoPE/kv_norm/cache write (q's rope
+// parts, the cache) touch disjoint data: one launch, blocks [0, H * C/64) absorb, the rest prep.
+template <int WT>
+__global__ void __launch_bounds__(256) prep_qabs_kernel(PrepArgs P, DevLinear w, int64_t n, float* __restrict__ qa) {
+  extern __shared__ float smem[];
+  const int nq = P.d.H * int((P.d.C + 63) / 64);
+  if (int(blockIdx.x) < nq) {
+    qabs_block<WT>(P.d, w, P.q, n, qa, blockIdx.x % P.d.H, blockIdx.x / P.d.H, smem);
+  } else {
+    pdl_wait();
+    pdl_trigger();
+    prep_token(P, blockIdx.x - nq, smem);
+  }
+}
+
 // Sums v[0..3] over the warp with 6 shuffles; lane l ends with the sum of v[2 * bit4(l) + bit3(l)].
 __device__ __forceinline__ float warp_sum4(const float* v, int lane) {
   const bool hi = lane & 16, b3 = lane & 8;
@@ -141,16 +182,16 @@ __device__ __forceinline__ float warp_sum4(const float* v, int lane) {
 
 // Block: `ppb` positions of token i for up to 16 heads; each warp takes ppb/8 positions, four
 // at a time (their cache rows in registers, each query value read once for the four).
-__global__ void __launch_bounds__(256) scores_kernel(MlaDims d, const DevPos* __restrict__ pos, int ppb,
+__global__ void __launch_bounds__(256) scores_kernel(MlaDims d, const DevPos* __restrict__ pos, int ppb, int hbs,
                                                      const float* __restrict__ qa, const float* __restrict__ q,
                                                      const float* __restrict__ ckv, const float* __restrict__ cpe,
                                                      float* __restrict__ S) {
-  extern __shared__ float qs[];  // [kHB][C + R]
+  extern __shared__ float qs[];  // [hbs][C + R]
   pdl_wait();
   pdl_trigger();
   const int64_t i = blockIdx.x;
   const int64_t t0 = int64_t(blockIdx.y) * ppb;
-  const int h0 = blockIdx.z * kHB, hb = min(kHB, d.H - h0), CR = d.C + d.R, qk = d.qk();
+  const int h0 = blockIdx.z * hbs, hb = min(hbs, d.H - h0), CR = d.C + d.R, qk = d.qk();
   const DevPos p = pos[i];
   const int64_t len = int64_t(p.pos) + 1;
   if (t0 >= len) return;
@@ -199,14 +240,14 @@ __global__ void __launch_bounds__(256) scores_kernel(MlaDims d, const DevPos* __
 // (m, l) go to `part`/`ml` and values_reduce_kernel rescales them.
 __global__ void __launch_bounds__(128) values_kernel(MlaDims d, const DevPos* __restrict__ pos, int64_t n,
                                                      const float* __restrict__ S, const float* __restrict__ ckv,
-                                                     int nsplit, int64_t chunk, float* __restrict__ part,
+                                                     int nsplit, int64_t chunk, int hbs, float* __restrict__ part,
                                                      float* __restrict__ ml, float* __restrict__ ol) {
   __shared__ float mx[kHB], sm[kHB], ps[kHB][32];
   pdl_wait();
   pdl_trigger();
-  const int nhb = (d.H + kHB - 1) / kHB;
+  const int nhb = (d.H + hbs - 1) / hbs;
   const int64_t i = blockIdx.x / nhb;
-  const int h0 = (blockIdx.x % nhb) * kHB, hb = min(kHB, d.H - h0);
+  const int h0 = (blockIdx.x % nhb) * hbs, hb = min(hbs, d.H - h0);
   const DevPos p = pos[i];
   const int64_t len = int64_t(p.pos) + 1;
   const int64_t ts = int64_t(blockIdx.z) * chunk, te = min(len, ts + chunk);
@@ -361,8 +402,21 @@ void mla_prep(const Launch& L, const MlaDims& d, bool naive, const DevPos* pos, 
               const float* kv_norm_w, const float* rope, float* cache_kv, float* cache_pe, float* latent,
               float* cache_k) {
   DSV3_CHECK(d.R % 2 == 0);
-  launch(L, prep_kernel, dim3(unsigned(n)), dim3(256), 0, d, naive, pos, q, kv, kv_norm_w, rope, cache_kv, cache_pe,
-         latent, cache_k);
+  const PrepArgs P{d, naive, pos, q, kv, kv_norm_w, rope, cache_kv, cache_pe, latent, cache_k};
+  launch(L, prep_kernel, dim3(unsigned(n)), dim3(256), 0, P);
+}
+
+void mla_prep_qabs(const Launch& L, const MlaDims& d, const DevPos* pos, int64_t n, float* q, const float* kv,
+                   const float* kv_norm_w, const float* rope, float* cache_kv, float* cache_pe, const DevLinear& w,
+                   float* qa) {
+  DSV3_CHECK(d.R % 2 == 0 && d.nope <= 8 * 16, "MLA shape beyond the fused prep/absorption kernel");
+  const PrepArgs P{d, false, pos, q, kv, kv_norm_w, rope, cache_kv, cache_pe, nullptr, nullptr};
+  const unsigned nq = unsigned(d.H) * cdiv(d.C, 64);
+  const size_t smem = sizeof(float) * kTB * (size_t(d.nope) + 8 * 64);
+  const dim3 grid(nq + unsigned(n));
+  if (w.t == kBF16) launch(L, prep_qabs_kernel<kBF16>, grid, dim3(256), smem, P, w, n, qa);
+  else if (w.t == kFP8) launch(L, prep_qabs_kernel<kFP8>, grid, dim3(256), smem, P, w, n, qa);
+  else launch(L, prep_qabs_kernel<kF32>, grid, dim3(256), smem, P, w, n, qa);
 }
 
 void mla_qabs(const Launch& L, const MlaDims& d, const DevLinear& w, const float* q, int64_t n, float* qa) {
@@ -374,17 +428,23 @@ void mla_qabs(const Launch& L, const MlaDims& d, const DevLinear& w, const float
   else launch(L, qabs_kernel<kF32>, grid, dim3(256), smem, d, w, q, n, qa);
 }
 
+// Heads per block of the score and value kernels: few for decode (more blocks over a short
+// cache), all 16 when many tokens fill the GPU anyway.
+static int heads_per_block(int64_t n) { return n <= 4 ? 2 : (n <= 16 ? 4 : kHB); }
+
 void mla_scores(const Launch& L, const MlaDims& d, const DevPos* pos, int64_t n, const float* qa, const float* q,
                 const float* cache_kv, const float* cache_pe, float* S) {
   DSV3_CHECK(d.C + d.R <= 32 * kMaxJ, "kv_lora_rank + qk_rope_head_dim above ", 32 * kMaxJ);
   const int ppb = n >= 64 ? 128 : 32;  // positions per block: fewer for decode, to spread the cache
-  const dim3 grid(unsigned(n), cdiv(d.max_len, ppb), cdiv(d.H, kHB));
-  const size_t smem = sizeof(float) * size_t(std::min(d.H, kHB)) * size_t(d.C + d.R);
-  launch(L, scores_kernel, grid, dim3(256), smem, d, pos, ppb, qa, q, cache_kv, cache_pe, S);
+  const int hbs = heads_per_block(n);
+  const dim3 grid(unsigned(n), cdiv(d.max_len, ppb), cdiv(d.H, hbs));
+  const size_t smem = sizeof(float) * size_t(std::min(d.H, hbs)) * size_t(d.C + d.R);
+  launch(L, scores_kernel, grid, dim3(256), smem, d, pos, ppb, hbs, qa, q, cache_kv, cache_pe, S);
 }
 
 int mla_splits(const MlaDims& d, int64_t n) {
-  const int64_t blocks = n * ((d.H + kHB - 1) / kHB) * ((d.C + 127) / 128);
+  const int hbs = heads_per_block(n);
+  const int64_t blocks = n * ((d.H + hbs - 1) / hbs) * ((d.C + 127) / 128);
   int64_t s = (264 + blocks - 1) / blocks;
   s = std::min<int64_t>(s, (d.max_len + 63) / 64);
   return int(std::max<int64_t>(s, 1));
@@ -393,8 +453,9 @@ int mla_splits(const MlaDims& d, int64_t n) {
 void mla_values(const Launch& L, const MlaDims& d, const DevPos* pos, int64_t n, const float* S, const float* cache_kv,
                 int nsplit, float* part, float* ml, float* ol) {
   const int64_t chunk = (d.max_len + nsplit - 1) / nsplit;
-  const dim3 grid(unsigned(n * cdiv(d.H, kHB)), cdiv(d.C, 128), unsigned(nsplit));
-  launch(L, values_kernel, grid, dim3(128), 0, d, pos, n, S, cache_kv, nsplit, chunk, part, ml, ol);
+  const int hbs = heads_per_block(n);
+  const dim3 grid(unsigned(n * cdiv(d.H, hbs)), cdiv(d.C, 128), unsigned(nsplit));
+  launch(L, values_kernel, grid, dim3(128), 0, d, pos, n, S, cache_kv, nsplit, chunk, hbs, part, ml, ol);
   if (nsplit > 1)
     launch(L, values_reduce_kernel, dim3(unsigned(n * d.H)), dim3(128), 0, d, pos, n, chunk, part, ml, ol);
 }

@@ -1,0 +1,179 @@
+// The MoE router's device functions (Gate.forward with gate.cc's choices, and the grouping of
+// (token, expert) pairs by expert), shared by the route kernel and the fused gate + route kernel.
+#pragma once
+#include "backend/cuda/common.cuh"
+
+namespace dsv3::cuda {
+namespace {
+
+constexpr int kMaxE = 256, kMaxK = 16, kMaxG = 64, kMaxNE = kMaxE + 16;
+
+constexpr int kRouteWarps = 16;
+
+// Best (value, index) of two candidates: higher value, then lower index (gate.cc's order).
+__device__ __forceinline__ void better_of(float& v, int& i, float v2, int i2) {
+  if (i2 >= 0 && (i < 0 || v2 > v || (v2 == v && i2 < i))) v = v2, i = i2;
+}
+__device__ __forceinline__ void warp_best(float& v, int& i) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) {
+    const float v2 = __shfl_xor_sync(0xffffffffu, v, o);
+    const int i2 = __shfl_xor_sync(0xffffffffu, i, o);
+    better_of(v, i, v2, i2);
+  }
+}
+
+// Warp `lane`s route token i (gate.cc's choices) and write its K experts, by expert index, as
+// ids into pair_of[i, :K] with their weights in pw (the grouping turns ids into pair rows).
+__device__ void route_token_warp(const RouteArgs& ra, const float* __restrict__ logits, const float* __restrict__ bias,
+                                 const MoeSched& s, int64_t i, float* sc, float* ch, float* gs, int32_t* topk_idx,
+                                 float* topk_w) {
+  const int E = s.E, K = s.K, Kt = s.K + s.S, G = ra.G, per = E / G, lane = threadIdx.x & 31;
+  constexpr int kPer = kMaxE / 32;  // experts per lane at most
+  const float* lg = logits + i * E;  // read from L2: written by other blocks (fused gate)
+  float v[kPer];
+  float mx = -INFINITY;
+#pragma unroll
+  for (int j = 0; j < kPer; ++j) {
+    const int e = lane + 32 * j;
+    v[j] = e < E ? __ldcg(lg + e) : -INFINITY;
+    mx = fmaxf(mx, v[j]);
+  }
+  if (!ra.sigmoid) {
+    mx = warp_max(mx);
+    float sum = 0.f;
+#pragma unroll
+    for (int j = 0; j < kPer; ++j) {
+      const int e = lane + 32 * j;
+      v[j] = e < E ? expf(v[j] - mx) : 0.f;
+      sum += v[j];
+    }
+    sum = warp_sum(sum);
+#pragma unroll
+    for (int j = 0; j < kPer; ++j) v[j] /= sum;
+  } else {
+#pragma unroll
+    for (int j = 0; j < kPer; ++j) v[j] = 1.f / (1.f + expf(-v[j]));
+  }
+#pragma unroll
+  for (int j = 0; j < kPer; ++j) {
+    const int e = lane + 32 * j;
+    if (e < E) sc[e] = v[j], ch[e] = bias ? v[j] + bias[e] : v[j];
+  }
+  __syncwarp();
+  if (G > 1) {
+    for (int g = lane; g < G; g += 32) {  // group score as gate.cc: max, or the top-2 sum with a bias
+      const float* c = ch + g * per;
+      if (!bias) {
+        float m = c[0];
+        for (int j = 1; j < per; ++j) m = fmaxf(m, c[j]);
+        gs[g] = m;
+      } else {
+        float m1 = -INFINITY, m2 = -INFINITY;
+        for (int j = 0; j < per; ++j) {
+          if (c[j] > m1) m2 = m1, m1 = c[j];
+          else if (c[j] > m2) m2 = c[j];
+        }
+        gs[g] = m1 + m2;
+      }
+    }
+    __syncwarp();
+    uint64_t keep = 0;
+    for (int r = 0; r < ra.topk_groups; ++r) {
+      float bv = -INFINITY;
+      int bi = -1;
+      for (int g = lane; g < G; g += 32)
+        if (!((keep >> g) & 1)) better_of(bv, bi, gs[g], g);
+      warp_best(bv, bi);
+      keep |= uint64_t(1) << bi;
+    }
+    for (int e = lane; e < E; e += 32)
+      if (!((keep >> (e / per)) & 1)) ch[e] = -INFINITY;
+    __syncwarp();
+  }
+  // Top-K by K rounds of a warp-wide best over the experts not yet taken.
+  uint32_t taken = 0;  // bit j: expert lane + 32 j
+  int idx[kMaxK];
+  float w[kMaxK], sum = 0.f;
+  for (int k = 0; k < K; ++k) {
+    float bv = -INFINITY;
+    int bi = -1;
+#pragma unroll
+    for (int j = 0; j < kPer; ++j) {
+      const int e = lane + 32 * j;
+      if (e < E && !((taken >> j) & 1)) better_of(bv, bi, ch[e], e);
+    }
+    warp_best(bv, bi);
+    if ((bi & 31) == lane) taken |= 1u << (bi >> 5);
+    idx[k] = bi;
+    w[k] = sc[bi];
+    sum += w[k];
+  }
+  if (lane == 0) {
+    for (int k = 0; k < K; ++k) {
+      if (ra.norm) w[k] /= sum;
+      w[k] *= ra.route_scale;
+    }
+    if (topk_idx)
+      for (int k = 0; k < K; ++k) topk_idx[i * K + k] = idx[k], topk_w[i * K + k] = w[k];
+    // Routed choices by expert index (the order the reference adds them in).
+    for (int a = 1; a < K; ++a)
+      for (int b = a; b > 0 && idx[b - 1] > idx[b]; --b) {
+        int ti = idx[b]; idx[b] = idx[b - 1]; idx[b - 1] = ti;
+        float tw = w[b]; w[b] = w[b - 1]; w[b - 1] = tw;
+      }
+    for (int k = 0; k < K; ++k) s.pair_of[i * Kt + k] = idx[k], s.pw[i * Kt + k] = w[k];
+  }
+  __syncwarp();
+}
+
+// Counts pairs per expert, lays the experts out (offsets, active list, 64-row GEMM tiles; one
+// warp scans) and turns pair_of's expert ids into pair rows. One block; after route_token_warp.
+__device__ void group_pairs(const MoeSched& s, bool tiles) {
+  __shared__ int cnt[kMaxNE], off[kMaxNE], fill[kMaxNE];
+  const int E = s.E, K = s.K, S = s.S, NE = E + S, Kt = K + S;
+  const int64_t n = s.n;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  for (int e = threadIdx.x; e < NE; e += blockDim.x) cnt[e] = e < E ? 0 : int(n), fill[e] = 0;
+  __syncthreads();
+  for (int64_t p = threadIdx.x; p < n * K; p += blockDim.x) atomicAdd(&cnt[s.pair_of[(p / K) * Kt + p % K]], 1);
+  __syncthreads();
+  if (warp == 0) {
+    int base = 0, na = 0, nt = 0;
+    for (int e0 = 0; e0 < NE; e0 += 32) {
+      const int e = e0 + lane, c = e < NE ? cnt[e] : 0, tc = tiles ? (c + 63) / 64 : 0;
+      int x = c, y = tc;  // inclusive scans over the lanes
+#pragma unroll
+      for (int o = 1; o < 32; o <<= 1) {
+        const int xu = __shfl_up_sync(0xffffffffu, x, o), yu = __shfl_up_sync(0xffffffffu, y, o);
+        if (lane >= o) x += xu, y += yu;
+      }
+      const unsigned act = __ballot_sync(0xffffffffu, c > 0);
+      if (e < NE) off[e] = base + x - c, s.off[e] = base + x - c, s.cnt[e] = c;
+      if (c > 0) s.active[na + __popc(act & ((1u << lane) - 1))] = e;
+      for (int j = 0; j < tc; ++j) s.tile_e[nt + y - tc + j] = e, s.tile_m0[nt + y - tc + j] = 64 * j;
+      base += __shfl_sync(0xffffffffu, x, 31);
+      nt += __shfl_sync(0xffffffffu, y, 31);
+      na += __popc(act);
+    }
+    if (lane == 0) *s.n_active = na, *s.n_tiles = nt;
+  }
+  __syncthreads();
+  for (int64_t i = threadIdx.x; i < n; i += blockDim.x) {
+    for (int k = 0; k < K; ++k) {
+      const int e = s.pair_of[i * Kt + k];
+      const int p = off[e] + atomicAdd(&fill[e], 1);
+      s.perm[p] = int32_t(i);
+      s.pair_of[i * Kt + k] = p;
+    }
+    for (int j = 0; j < S; ++j) {
+      const int64_t p = off[E + j] + i;
+      s.perm[p] = int32_t(i);
+      s.pair_of[i * Kt + K + j] = int32_t(p);
+      s.pw[i * Kt + K + j] = 1.f;
+    }
+  }
+}
+
+}  // namespace
+}  // namespace dsv3::cuda
