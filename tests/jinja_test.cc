@@ -6,6 +6,7 @@
 
 #include <gtest/gtest.h>
 
+#include <chrono>
 #include <string>
 
 #include "core/error.h"
@@ -167,6 +168,9 @@ const Case kCases[] = {
     {"loop_cycle_and_item_access",
      "{% for i in xs %}{{ loop.cycle('odd', 'even') }}{{ loop['index'] }}{% if loop.previtem is defined %}<{{ loop.previtem }}{% endif %} {% endfor %}",
      "odd1 even2<1 odd3<2 "},
+    {"python_float_division",
+     "{{ 0 % -1.25 }} {{ -7.5 // 2 }} {{ 7.5 // -2 }} {{ -0.0 // 1 }} {{ 1e308 * 10 }} {{ 5.5 % -2 }} {{ 2 ** -1 }} {{ (-8) ** 2 }} {{ 2 ** 62 }} {{ true + 1 }}",
+     "-0.0 -4.0 -4.0 -0.0 inf -0.5 0.5 64 4611686018427387904 2"},
     {"set_top_level_in_if",
      "{% if not add_generation_prompt is defined %}{% set add_generation_prompt = false %}{% endif %}{{ add_generation_prompt }}",
      "False"},
@@ -310,6 +314,8 @@ TEST(Jinja, RenderErrorsNameTheLineAndTheProblem) {
       {"{{ 9223372036854775807 + 1 }}", "integer overflow"},
       {"{{ {1: 2} }}", "dict keys must be strings"},
       {"{{ xs[1:2:0] }}", "slice step cannot be zero"},
+      {"{{ 0.0 ** -1 }}", "0.0 cannot be raised to a negative power"},
+      {"{{ (-8) ** 0.5 }}", "complex"},
       // Python objects JSON has no type for: refused where Jinja2 would print their repr.
       {"{{ d.items() }}", "cannot print a dict_items"},
       {"{% for i in xs %}{{ loop }}{% endfor %}", "cannot print a LoopContext"},
@@ -324,6 +330,24 @@ TEST(Jinja, RenderErrorsNameTheLineAndTheProblem) {
     std::string msg = error_of(b.src);
     EXPECT_NE(msg.find(b.message), std::string::npos) << "template: " << b.src << "\nerror: " << msg;
   }
+}
+
+TEST(Jinja, LookupsShareDataInsteadOfCopyingIt) {
+  // messages[loop.index0 - 1] inside the loop over messages (as Qwen's template does for tool
+  // turns) must not copy the whole list per access: 3000 messages of 3 kB render in well under
+  // a second (copying made this quadratic: tens of seconds).
+  Json msgs = Json::array();
+  for (int i = 0; i < 3000; ++i)
+    msgs.push_back({{"role", "tool"}, {"content", std::string(3000, 'a' + i % 26)}});
+  auto start = std::chrono::steady_clock::now();
+  std::string out = render_hf(
+      "{% for m in messages %}{% if loop.index0 == 0 or messages[loop.index0 - 1].role != 'tool' %}<u>"
+      "{% endif %}{{ m.content|length }}{% if loop.last or messages[loop.index0 + 1].role != 'tool' %}</u>"
+      "{% endif %}{% endfor %}",
+      {{"messages", msgs}});
+  double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  EXPECT_EQ(out.size(), 3000u * 4 + 7);
+  EXPECT_LT(seconds, 5.0);
 }
 
 TEST(Jinja, DeepNestingIsAnErrorNotACrash) {

@@ -19,6 +19,12 @@ int64_t floor_div(int64_t a, int64_t b) {
 }
 
 Value arith(const std::string& op, const Json& a, const Json& b) {
+  if (op == "**" && (!is_int(a) || !is_int(b) || as_int(b) < 0)) {
+    double x = as_double(a), y = as_double(b);
+    if (x == 0 && y < 0) eval_fail("0.0 cannot be raised to a negative power");
+    if (x < 0 && y != std::floor(y)) eval_fail("a negative number to a fractional power is complex");
+    return Value::of(std::pow(x, y));
+  }
   if (op == "/") {
     if (as_double(b) == 0) eval_fail("division by zero");
     return Value::of(as_double(a) / as_double(b));
@@ -37,7 +43,6 @@ Value arith(const std::string& op, const Json& a, const Json& b) {
       r = floor_div(x, y);
       if (op == "%") r = x - r * y;
     } else if (op == "**") {
-      if (y < 0) return Value::of(std::pow(double(x), double(y)));
       if (x == 0 || x == 1) return Value::of(y == 0 ? int64_t(1) : x);
       if (x == -1) return Value::of(y % 2 ? int64_t(-1) : int64_t(1));
       r = 1;  // |x| >= 2 overflows within 63 steps
@@ -50,19 +55,25 @@ Value arith(const std::string& op, const Json& a, const Json& b) {
   if (op == "+") return Value::of(x + y);
   if (op == "-") return Value::of(x - y);
   if (op == "*") return Value::of(x * y);
-  if (op == "**") return Value::of(std::pow(x, y));
   if (y == 0) eval_fail("float division by zero");
-  double q = std::floor(x / y);
-  if (op == "//") return Value::of(q);
-  double m = std::fmod(x, y);
-  if (m != 0 && ((m < 0) != (y < 0))) m += y;
-  return Value::of(m);
+  double mod = std::fmod(x, y), div = (x - mod) / y;  // CPython's float_divmod
+  if (mod != 0) {
+    if ((y < 0) != (mod < 0)) mod += y, div -= 1.0;
+  } else {
+    mod = std::copysign(0.0, y);
+  }
+  double floordiv = std::copysign(0.0, x / y);
+  if (div != 0) {
+    floordiv = std::floor(div);
+    if (div - floordiv > 0.5) floordiv += 1.0;
+  }
+  return Value::of(op == "//" ? floordiv : mod);
 }
 
 bool values_equal(const Value& a, const Value& b) {
   if (a.is_iterator() || b.is_iterator()) return false;  // Python compares iterators by identity
   if (a.opaque != b.opaque) return false;
-  if (a.is_data() && b.is_data()) return py_equal(a.data, b.data);
+  if (a.is_data() && b.is_data()) return py_equal(a.data(), b.data());
   if (a.kind != b.kind) return false;
   if (a.kind == Value::Kind::Namespace) return a.ns == b.ns;
   if (a.kind == Value::Kind::Callable) return a.macro == b.macro && a.builtin == b.builtin;
@@ -73,22 +84,23 @@ bool contains(const Value& container, const Value& item) {
   if (container.is_undefined()) return false;  // Undefined iterates as empty
   if (!container.is_data())
     eval_fail("'in' needs a string, list or dict on the right, got ", type_name(container));
-  const Json& c = container.data;
+  const Json& c = container.data();
   if (c.is_string()) {
-    if (!item.is_data() || !item.data.is_string())
+    if (!item.is_data() || !item.data().is_string())
       eval_fail("'in <string>' requires a string on the left, got ", type_name(item));
-    return c.get_ref<const std::string&>().find(item.data.get_ref<const std::string&>()) != std::string::npos;
+    return c.get_ref<const std::string&>().find(item.data().get_ref<const std::string&>()) !=
+           std::string::npos;
   }
   if (c.is_array()) {
     if (!item.is_data()) return false;
     for (const auto& x : c)
-      if (py_equal(x, item.data)) return true;
+      if (py_equal(x, item.data())) return true;
     return false;
   }
-  if (c.is_object() && item.is_data() && (item.data.is_array() || item.data.is_object()))
+  if (c.is_object() && item.is_data() && (item.data().is_array() || item.data().is_object()))
     eval_fail("'in <dict>' needs a hashable key, got ", type_name(item));
   if (c.is_object())
-    return item.is_data() && item.data.is_string() && c.contains(item.data.get<std::string>());
+    return item.is_data() && item.data().is_string() && c.contains(item.data().get<std::string>());
   eval_fail("'in' needs a string, list or dict on the right, got ", type_name(container));
 }
 
@@ -100,7 +112,7 @@ Value binary(const std::string& op, const Value& l, const Value& r) {
   if (op == "not in") return Value::of(!contains(r, l));
   for (const Value* v : {&l, &r})
     if (!v->is_data() || !v->opaque.empty()) eval_fail("cannot apply '", op, "' to ", type_name(*v));
-  const Json &a = l.data, &b = r.data;
+  const Json &a = l.data(), &b = r.data();
   if (op == "<") return Value::of(py_compare(a, b) < 0);
   if (op == "<=") return Value::of(py_compare(a, b) <= 0);
   if (op == ">") return Value::of(py_compare(a, b) > 0);
@@ -144,7 +156,8 @@ bool py_index(int64_t i, size_t n, size_t& out) {
 class Evaluator {
  public:
   Evaluator(const std::string& name, const Json& context) : name_(name) {
-    for (const auto& [k, v] : context.items()) top_[k] = Value::of(v);
+    Value ctx = Value::of(context);  // the one copy of the caller's data
+    for (const auto& [k, v] : ctx.data().items()) top_[k] = Value::part_of(ctx, v);
     scopes_.push_back(&top_);
   }
 
@@ -249,8 +262,8 @@ class Evaluator {
           {"index", i + 1},  {"index0", i},          {"revindex", len - i}, {"revindex0", len - i - 1},
           {"first", i == 0}, {"last", i + 1 == len}, {"length", len},       {"depth", 1},
           {"depth0", 0}};
-      if (i > 0 && items[i - 1].is_data()) loop["previtem"] = items[i - 1].data;
-      if (i + 1 < len && items[i + 1].is_data()) loop["nextitem"] = items[i + 1].data;
+      if (i > 0 && items[i - 1].is_data()) loop["previtem"] = items[i - 1].data();
+      if (i + 1 < len && items[i + 1].is_data()) loop["nextitem"] = items[i + 1].data();
       f["loop"] = Value::typed(std::move(loop), "LoopContext", items[i].tuples);  // previtem/nextitem
       Flow flow = exec(n.body, out);
       scopes_.pop_back();
@@ -265,9 +278,9 @@ class Evaluator {
       f[targets[0]] = v;
       return;
     }
-    if (!v.is_data() || !v.data.is_array() || v.data.size() != targets.size())
+    if (!v.is_data() || !v.data().is_array() || v.data().size() != targets.size())
       error(line, str("cannot unpack ", type_name(v), " into ", targets.size(), " variables"));
-    for (size_t i = 0; i < targets.size(); ++i) f[targets[i]] = Value::typed(v.data[i], "", v.tuples);
+    for (size_t i = 0; i < targets.size(); ++i) f[targets[i]] = Value::part_of(v, v.data()[i]);
   }
 
   Value lookup(const std::string& name) const {
@@ -312,7 +325,7 @@ class Evaluator {
       case Expr::Kind::Tuple: {
         Json out = Json::array();
         bool tuples = e.kind == Expr::Kind::Tuple;
-        for (const auto& a : e.args) out.push_back(data_of(*a, "a list", tuples).data);
+        for (const auto& a : e.args) out.push_back(data_of(*a, "a list", tuples).data());
         return Value::typed(std::move(out), "", tuples);
       }
       case Expr::Kind::Dict: {
@@ -320,9 +333,9 @@ class Evaluator {
         bool tuples = false;
         for (size_t i = 0; i + 1 < e.args.size(); i += 2) {
           Value k = eval(*e.args[i]);
-          if (!k.is_data() || !k.data.is_string())
+          if (!k.is_data() || !k.data().is_string())
             error(e.line, "dict keys must be strings, got " + type_name(k));
-          out[k.data.get<std::string>()] = data_of(*e.args[i + 1], "a dict", tuples).data;
+          out[k.data().get<std::string>()] = data_of(*e.args[i + 1], "a dict", tuples).data();
         }
         return Value::typed(std::move(out), "", tuples);
       }
@@ -337,7 +350,7 @@ class Evaluator {
       case Expr::Kind::Filter: {
         Value v = eval(*e.args[0]);
         Value out = apply_filter(*this, e.name, v, eval_args(e));
-        if (out.is_data() && !out.data.is_primitive()) out.tuples |= v.tuples;
+        if (out.is_data() && !out.data().is_primitive()) out.tuples |= v.tuples;
         return out;
       }
       case Expr::Kind::Test:
@@ -345,10 +358,11 @@ class Evaluator {
       case Expr::Kind::Unary: {
         Value v = eval(*e.args[0]);
         if (e.name == "not") return Value::of(!truthy(v));
-        if (!v.is_data() || !is_num(v.data)) eval_fail("bad operand for unary ", e.name, ": ", type_name(v));
-        if (e.name == "+") return v.data.is_boolean() ? Value::of(as_int(v.data)) : v;
-        if (is_int(v.data)) return arith("-", Json(0), v.data);
-        return Value::of(-v.data.get<double>());
+        if (!v.is_data() || !is_num(v.data()))
+          eval_fail("bad operand for unary ", e.name, ": ", type_name(v));
+        if (e.name == "+") return v.data().is_boolean() ? Value::of(as_int(v.data())) : v;
+        if (is_int(v.data())) return arith("-", Json(0), v.data());
+        return Value::of(-v.data().get<double>());
       }
       case Expr::Kind::Binary: {
         Value l = eval(*e.args[0]);
@@ -383,27 +397,27 @@ class Evaluator {
       auto it = obj.ns->find(name);
       return it == obj.ns->end() ? Value::undefined(what) : it->second;
     }
-    if (obj.is_data() && (obj.opaque.empty() || obj.opaque == "LoopContext") && obj.data.is_object()) {
-      auto it = obj.data.find(name);
-      if (it != obj.data.end()) return Value::typed(*it, "", obj.tuples);
+    if (obj.is_data() && (obj.opaque.empty() || obj.opaque == "LoopContext") && obj.data().is_object()) {
+      auto it = obj.data().find(name);
+      if (it != obj.data().end()) return Value::part_of(obj, *it);
     }
     return Value::undefined(what);
   }
 
   Value get_item(const Value& obj, const Value& key, const Expr& from) {
     if (obj.is_undefined()) undefined_use(obj, from);
-    std::string what = describe(from) + "[" + (key.is_data() ? key.data.dump() : type_name(key)) + "]";
+    std::string what = describe(from) + "[" + (key.is_data() ? key.data().dump() : type_name(key)) + "]";
     if ((obj.kind == Value::Kind::Namespace || obj.opaque == "LoopContext") && key.is_data() &&
-        key.data.is_string())
-      return get_attr(obj, key.data.get<std::string>(), from);
+        key.data().is_string())
+      return get_attr(obj, key.data().get<std::string>(), from);
     if (!obj.is_data() || !key.is_data() || !obj.indexable()) return Value::undefined(what);
-    const Json &o = obj.data, &k = key.data;
+    const Json &o = obj.data(), &k = key.data();
     size_t idx;
     if (o.is_object() && k.is_string()) {
       auto it = o.find(k.get<std::string>());
-      if (it != o.end()) return Value::typed(*it, "", obj.tuples);
+      if (it != o.end()) return Value::part_of(obj, *it);
     } else if (o.is_array() && is_int(k)) {
-      if (py_index(as_int(k), o.size(), idx)) return Value::typed(o[idx], "", obj.tuples);
+      if (py_index(as_int(k), o.size(), idx)) return Value::part_of(obj, o[idx]);
     } else if (o.is_string() && is_int(k)) {
       std::u32string s = utf8_decode(o.get_ref<const std::string&>());
       if (py_index(as_int(k), s.size(), idx)) return Value::of(utf8_encode(s.substr(idx, 1)));
@@ -422,19 +436,19 @@ class Evaluator {
       given[i] = e.args[i + 1] != nullptr;
       if (!given[i]) continue;
       Value v = eval(*e.args[i + 1]);
-      if (v.is_data() && v.data.is_null()) {
+      if (v.is_data() && v.data().is_null()) {
         given[i] = false;
         continue;
       }
-      if (!v.is_data() || !is_int(v.data)) eval_fail("slice indices must be integers, got ", type_name(v));
-      p[i] = as_int(v.data);
+      if (!v.is_data() || !is_int(v.data())) eval_fail("slice indices must be integers, got ", type_name(v));
+      p[i] = as_int(v.data());
     }
     int64_t step = given[2] ? p[2] : 1;
     if (step == 0) eval_fail("slice step cannot be zero");
-    bool is_str = obj.is_data() && obj.data.is_string();
-    if (!obj.is_data() || !(is_str || obj.data.is_array())) eval_fail("cannot slice ", type_name(obj));
-    std::u32string s = is_str ? utf8_decode(obj.data.get_ref<const std::string&>()) : std::u32string();
-    int64_t n = is_str ? int64_t(s.size()) : int64_t(obj.data.size());
+    bool is_str = obj.is_data() && obj.data().is_string();
+    if (!obj.is_data() || !(is_str || obj.data().is_array())) eval_fail("cannot slice ", type_name(obj));
+    std::u32string s = is_str ? utf8_decode(obj.data().get_ref<const std::string&>()) : std::u32string();
+    int64_t n = is_str ? int64_t(s.size()) : int64_t(obj.data().size());
     auto clamp = [&](int64_t v) {  // CPython's PySlice_AdjustIndices
       if (v < 0) v += n;
       return step > 0 ? std::clamp<int64_t>(v, 0, n) : std::clamp<int64_t>(v, -1, n - 1);
@@ -447,7 +461,7 @@ class Evaluator {
       if (is_str)
         out_s += s[size_t(i)];
       else
-        out_a.push_back(obj.data[size_t(i)]);
+        out_a.push_back(obj.data()[size_t(i)]);
     }
     return is_str ? Value::of(utf8_encode(out_s)) : Value::typed(std::move(out_a), obj.opaque, obj.tuples);
   }
@@ -469,7 +483,7 @@ class Evaluator {
       CallArgs a = eval_args(e);
       if (obj.opaque == "LoopContext" && callee.name == "cycle") {  // loop.cycle(a, b, ...)
         if (a.pos.empty() || !a.kw.empty()) eval_fail("loop.cycle() needs at least one positional argument");
-        return a.pos[obj.data["index0"].get<size_t>() % a.pos.size()];
+        return a.pos[obj.data()["index0"].get<size_t>() % a.pos.size()];
       }
       return call_method(obj, callee.name, a);
     }

@@ -155,24 +155,24 @@ Params bind(const CallArgs& a, std::initializer_list<const char*> params, const 
 }
 const Json& data(const Value& v, const std::string& what) {
   if (!v.is_data() || !v.opaque.empty()) eval_fail(what, ": expected a value, got ", type_name(v));
-  return v.data;
+  return v.data();
 }
 std::string arg_str(const std::optional<Value>& v, const std::string& what, std::string dflt = "") {
-  if (!v || (v->is_data() && v->data.is_null())) return dflt;
-  if (!v->is_data() || !v->data.is_string()) eval_fail(what, ": expected a string, got ", type_name(*v));
-  return v->data.get<std::string>();
+  if (!v || (v->is_data() && v->data().is_null())) return dflt;
+  if (!v->is_data() || !v->data().is_string()) eval_fail(what, ": expected a string, got ", type_name(*v));
+  return v->data().get<std::string>();
 }
 int64_t arg_int(const std::optional<Value>& v, const std::string& what, int64_t dflt) {
-  if (!v || (v->is_data() && v->data.is_null())) return dflt;
-  if (!v->is_data() || !is_int(v->data)) eval_fail(what, ": expected an integer, got ", type_name(*v));
-  return as_int(v->data);
+  if (!v || (v->is_data() && v->data().is_null())) return dflt;
+  if (!v->is_data() || !is_int(v->data())) eval_fail(what, ": expected an integer, got ", type_name(*v));
+  return as_int(v->data());
 }
 bool arg_bool(const std::optional<Value>& v, bool dflt) {
   return v ? truthy(*v) : dflt;
 }
 Str self_str(const Value& v, const std::string& what) {
-  if (!v.is_data() || !v.data.is_string()) eval_fail(what, ": expected a string, got ", type_name(v));
-  return utf8_decode(v.data.get_ref<const std::string&>());
+  if (!v.is_data() || !v.data().is_string()) eval_fail(what, ": expected a string, got ", type_name(v));
+  return utf8_decode(v.data().get_ref<const std::string&>());
 }
 Value str_value(const Str& s) {
   return Value::of(utf8_encode(s));
@@ -189,7 +189,7 @@ Json items_of(const Json& d) {
 }
 Json to_list(const Value& v) {
   Json out = Json::array();
-  for (auto& x : iterate(v)) out.push_back(std::move(x.data));
+  for (auto& x : iterate(v)) out.push_back(x.data());
   return out;
 }
 
@@ -202,13 +202,13 @@ Value get_path(const Value& v, const std::string& path) {
     if (j == std::string::npos) j = path.size();
     std::string key = path.substr(i, j - i);
     if (!cur.is_data()) return Value::undefined("attribute '" + path + "'");
-    const Json& d = cur.data;
+    const Json& d = cur.data();
     Value next = Value::undefined("attribute '" + path + "'");
     if (d.is_object() && d.contains(key))
-      next = Value::of(d[key]);
+      next = Value::part_of(cur, d[key]);
     else if (d.is_array() && !key.empty() && std::all_of(key.begin(), key.end(), ::isdigit) &&
              std::stoul(key) < d.size())
-      next = Value::of(d[std::stoul(key)]);
+      next = Value::part_of(cur, d[std::stoul(key)]);
     cur = std::move(next);
     i = j + 1;
   }
@@ -246,7 +246,7 @@ Value select_items(Evaluator& ev, const Value& v, const CallArgs& a, bool by_att
   for (const auto& item : iterate(v)) {
     Value x = by_attr ? get_path(item, attr) : item;
     bool ok = test.empty() ? truthy(x) : apply_test(ev, test, x, targs);
-    if (ok == want) out.push_back(item.data);
+    if (ok == want) out.push_back(item.data());
   }
   return Value::typed(std::move(out), "generator");
 }
@@ -327,9 +327,9 @@ const std::map<std::string, FilterFn>& filters() {
       Value dflt = p[0] ? *p[0] : Value::of(0.0);
       if (v.is_undefined()) eval_fail("float: ", type_name(v));  // float(Undefined) raises in Jinja2
       if (!v.is_data()) return dflt;
-      if (is_num(v.data)) return Value::of(as_double(v.data));
-      if (!v.data.is_string()) return dflt;
-      std::string s = utf8_encode(py_strip(utf8_decode(v.data.get<std::string>()), nullptr, true, true));
+      if (is_num(v.data())) return Value::of(as_double(v.data()));
+      if (!v.data().is_string()) return dflt;
+      std::string s = utf8_encode(py_strip(utf8_decode(v.data().get<std::string>()), nullptr, true, true));
       char* end = nullptr;
       double d = std::strtod(s.c_str(), &end);
       return (!s.empty() && *end == 0) ? Value::of(d) : dflt;
@@ -340,10 +340,10 @@ const std::map<std::string, FilterFn>& filters() {
       int base = int(arg_int(p[1], "int", 10));
       if (v.is_undefined()) eval_fail("int: ", type_name(v));  // int(Undefined) raises in Jinja2
       if (!v.is_data()) return dflt;
-      if (is_int(v.data)) return Value::of(as_int(v.data));
-      if (v.data.is_number()) return Value::of(int64_t(std::trunc(v.data.get<double>())));
-      if (!v.data.is_string()) return dflt;
-      std::string s = utf8_encode(py_strip(utf8_decode(v.data.get<std::string>()), nullptr, true, true));
+      if (is_int(v.data())) return Value::of(as_int(v.data()));
+      if (v.data().is_number()) return Value::of(int64_t(std::trunc(v.data().get<double>())));
+      if (!v.data().is_string()) return dflt;
+      std::string s = utf8_encode(py_strip(utf8_decode(v.data().get<std::string>()), nullptr, true, true));
       s.erase(std::remove(s.begin(), s.end(), '_'), s.end());
       char* end = nullptr;
       errno = 0;
@@ -354,11 +354,11 @@ const std::map<std::string, FilterFn>& filters() {
     };
     f["indent"] = [](Evaluator&, const Value& v, const CallArgs& a) {
       auto p = bind(a, {"width", "first", "blank"}, "indent");
-      Str ind = p[0] && p[0]->is_data() && p[0]->data.is_string()
+      Str ind = p[0] && p[0]->is_data() && p[0]->data().is_string()
                     ? self_str(*p[0], "indent")
                     : Str(size_t(std::max<int64_t>(0, arg_int(p[0], "indent", 4))), U' ');
-      if (!v.is_data() || !v.data.is_string()) eval_fail("indent: expected a string, got ", type_name(v));
-      Str s = utf8_decode(v.data.get<std::string>()) + U"\n";  // as jinja2's do_indent
+      if (!v.is_data() || !v.data().is_string()) eval_fail("indent: expected a string, got ", type_name(v));
+      Str s = utf8_decode(v.data().get<std::string>()) + U"\n";  // as jinja2's do_indent
       auto lines = py_splitlines(s, false);
       Str out;
       for (size_t i = 0; i < lines.size(); ++i) {
@@ -405,7 +405,7 @@ const std::map<std::string, FilterFn>& filters() {
           Value x = get_path(item, attr);
           if (x.is_undefined() && p[1]) x = *p[1];
           if (!x.is_data()) eval_fail("map(attribute='", attr, "'): an item has no '", attr, "'");
-          out.push_back(x.data);
+          out.push_back(x.data());
         }
       } else {
         if (a.pos.empty()) eval_fail("map() needs a filter name or attribute=");
@@ -455,8 +455,8 @@ const std::map<std::string, FilterFn>& filters() {
                                   utf8_decode(arg_str(p[1], "replace")), arg_int(p[2], "replace", -1)));
     };
     f["reverse"] = [](Evaluator&, const Value& v, const CallArgs&) {
-      if (v.is_data() && v.data.is_string()) {
-        Str s = utf8_decode(v.data.get<std::string>());
+      if (v.is_data() && v.data().is_string()) {
+        Str s = utf8_decode(v.data().get<std::string>());
         return str_value(Str(s.rbegin(), s.rend()));
       }
       Json l = to_list(v);
@@ -489,7 +489,7 @@ const std::map<std::string, FilterFn>& filters() {
       std::vector<Value> items = iterate(v);
       std::vector<std::pair<Json, Json>> keyed;
       for (const auto& x : items)
-        keyed.emplace_back(sort_key(data(attr.empty() ? x : get_path(x, attr), "sort"), cs), x.data);
+        keyed.emplace_back(sort_key(data(attr.empty() ? x : get_path(x, attr), "sort"), cs), x.data());
       std::stable_sort(keyed.begin(), keyed.end(), [&](const auto& x, const auto& y) {
         int c = py_compare(x.first, y.first);
         return rev ? c > 0 : c < 0;
@@ -532,7 +532,7 @@ const std::map<std::string, FilterFn>& filters() {
       auto p = bind(a, {"ensure_ascii", "indent", "separators", "sort_keys"}, "tojson");
       Json indent = p[1] ? data(*p[1], "tojson") : Json(nullptr);
       std::string item_sep = indent.is_null() ? ", " : ",", key_sep = ": ";
-      if (p[2] && !(p[2]->is_data() && p[2]->data.is_null())) {
+      if (p[2] && !(p[2]->is_data() && p[2]->data().is_null())) {
         const Json& s = data(*p[2], "tojson");
         if (!s.is_array() || s.size() != 2 || !s[0].is_string() || !s[1].is_string())
           eval_fail("tojson: separators must be a pair of strings");
@@ -556,7 +556,7 @@ const std::map<std::string, FilterFn>& filters() {
         Json k = sort_key(data(attr.empty() ? x : get_path(x, attr), "unique"), cs);
         if (std::none_of(seen.begin(), seen.end(), [&](const Json& s) { return py_equal(s, k); })) {
           seen.push_back(k);
-          out.push_back(x.data);
+          out.push_back(x.data());
         }
       }
       return Value::typed(std::move(out), "generator");
@@ -576,7 +576,7 @@ const std::map<std::string, TestDef>& tests() {
   static const std::map<std::string, TestDef> table = [] {
     std::map<std::string, TestDef> t;
     auto is = [](auto pred) {
-      return TestDef{{}, [pred](const Value& v, const Params&) { return v.is_data() && pred(v.data); }};
+      return TestDef{{}, [pred](const Value& v, const Params&) { return v.is_data() && pred(v.data()); }};
     };
     t["defined"] = {{}, [](const Value& v, const Params&) { return !v.is_undefined(); }};
     t["undefined"] = {{}, [](const Value& v, const Params&) { return v.is_undefined(); }};
@@ -589,16 +589,17 @@ const std::map<std::string, TestDef>& tests() {
     t["number"] = is([](const Json& j) { return is_num(j); });
     t["string"] = is([](const Json& j) { return j.is_string(); });
     t["mapping"] = {{}, [](const Value& v, const Params&) {
-                      return v.is_data() && v.opaque.empty() && v.data.is_object();
+                      return v.is_data() && v.opaque.empty() && v.data().is_object();
                     }};
-    t["iterable"] = {{}, [](const Value& v, const Params&) {
-                       return v.is_undefined() || (v.is_data() && (v.data.is_string() || v.data.is_array() ||
-                                                                   v.data.is_object()));
-                     }};
+    t["iterable"] = {
+        {}, [](const Value& v, const Params&) {
+          return v.is_undefined() ||
+                 (v.is_data() && (v.data().is_string() || v.data().is_array() || v.data().is_object()));
+        }};
     t["sequence"] = {{}, [](const Value& v, const Params&) {  // has len() and [i] (Undefined has both)
                        return v.is_undefined() ||
                               v.is_data() && v.indexable() &&
-                                  (v.data.is_string() || v.data.is_array() || v.data.is_object());
+                                  (v.data().is_string() || v.data().is_array() || v.data().is_object());
                      }};
     t["callable"] = {{}, [](const Value& v, const Params&) { return v.kind == Value::Kind::Callable; }};
     auto cmp = [](auto pred) {
@@ -608,7 +609,7 @@ const std::map<std::string, TestDef>& tests() {
                      }};
     };
     auto eq = [](const Value& a, const Value& b) {
-      return a.is_data() && b.is_data() ? py_equal(a.data, b.data) : a.kind == b.kind && a.ns == b.ns;
+      return a.is_data() && b.is_data() ? py_equal(a.data(), b.data()) : a.kind == b.kind && a.ns == b.ns;
     };
     auto order = [](const Value& a, const Value& b) {
       return py_compare(data(a, "comparison"), data(b, "comparison"));
@@ -616,8 +617,8 @@ const std::map<std::string, TestDef>& tests() {
     t["eq"] = t["equalto"] = cmp(eq);
     t["ne"] = cmp([eq](const Value& a, const Value& b) { return !eq(a, b); });
     t["sameas"] = cmp([](const Value& a, const Value& b) {  // identity: meaningful for none/true/false
-      return a.is_data() && b.is_data() && a.data.is_primitive() && a.data.type() == b.data.type() &&
-             a.data == b.data;
+      return a.is_data() && b.is_data() && a.data().is_primitive() && a.data().type() == b.data().type() &&
+             a.data() == b.data();
     });
     t["lt"] = t["lessthan"] = cmp([order](const Value& a, const Value& b) { return order(a, b) < 0; });
     t["le"] = cmp([order](const Value& a, const Value& b) { return order(a, b) <= 0; });
@@ -627,17 +628,17 @@ const std::map<std::string, TestDef>& tests() {
                  if (!p[0]) eval_fail("'in' test needs an argument");
                  const Json& c = data(*p[0], "in");
                  if (c.is_string())
-                   return v.is_data() && v.data.is_string() &&
-                          c.get<std::string>().find(v.data.get<std::string>()) != std::string::npos;
+                   return v.is_data() && v.data().is_string() &&
+                          c.get<std::string>().find(v.data().get<std::string>()) != std::string::npos;
                  if (c.is_object())
-                   return v.is_data() && v.data.is_string() && c.contains(v.data.get<std::string>());
+                   return v.is_data() && v.data().is_string() && c.contains(v.data().get<std::string>());
                  if (!c.is_array()) eval_fail("'in' test needs a string, list or dict");
                  return v.is_data() &&
-                        std::any_of(c.begin(), c.end(), [&](const Json& x) { return py_equal(x, v.data); });
+                        std::any_of(c.begin(), c.end(), [&](const Json& x) { return py_equal(x, v.data()); });
                }};
     auto int_of = [](const Value& v) {
-      if (!v.is_data() || !is_int(v.data)) eval_fail("expected an integer, got ", type_name(v));
-      return as_int(v.data);
+      if (!v.is_data() || !is_int(v.data())) eval_fail("expected an integer, got ", type_name(v));
+      return as_int(v.data());
     };
     t["even"] = {{}, [int_of](const Value& v, const Params&) { return int_of(v) % 2 == 0; }};
     t["odd"] = {{}, [int_of](const Value& v, const Params&) { return int_of(v) % 2 != 0; }};
@@ -690,8 +691,8 @@ bool apply_test(Evaluator&, const std::string& name, const Value& v, const CallA
 
 Value call_method(const Value& obj, const std::string& name, const CallArgs& a) {
   const std::string fn = name + "()";
-  if (obj.is_data() && obj.opaque.empty() && obj.data.is_object()) {
-    const Json& d = obj.data;
+  if (obj.is_data() && obj.opaque.empty() && obj.data().is_object()) {
+    const Json& d = obj.data();
     if (name == "items" || name == "keys" || name == "values") {
       bind(a, {}, fn);
       if (name == "items") return Value::typed(items_of(d), "dict_items", true);
@@ -703,24 +704,25 @@ Value call_method(const Value& obj, const std::string& name, const CallArgs& a) 
       auto p = bind(a, {"key", "default"}, fn);
       if (!p[0]) eval_fail("get() needs a key");
       const Json& k = data(*p[0], fn);
-      if (k.is_string() && d.contains(k.get<std::string>())) return Value::of(d[k.get<std::string>()]);
+      if (k.is_string() && d.contains(k.get<std::string>()))
+        return Value::part_of(obj, d[k.get<std::string>()]);
       return p[1] ? *p[1] : Value::of(nullptr);
     }
     eval_fail("dicts have no method '", name, "' here (supported: items, keys, values, get)");
   }
-  if (!obj.is_data() || !obj.data.is_string())
+  if (!obj.is_data() || !obj.data().is_string())
     eval_fail(type_name(obj), " has no method '", name, "'",
-              obj.is_data() && obj.data.is_array() ? " (lists are immutable in templates)" : "");
-  Str s = utf8_decode(obj.data.get_ref<const std::string&>());
+              obj.is_data() && obj.data().is_array() ? " (lists are immutable in templates)" : "");
+  Str s = utf8_decode(obj.data().get_ref<const std::string&>());
   if (name == "strip" || name == "lstrip" || name == "rstrip") {
     auto p = bind(a, {"chars"}, fn);
     Str chars = utf8_decode(arg_str(p[0], fn));
-    bool has = p[0] && !(p[0]->is_data() && p[0]->data.is_null());
+    bool has = p[0] && !(p[0]->is_data() && p[0]->data().is_null());
     return str_value(py_strip(s, has ? &chars : nullptr, name != "rstrip", name != "lstrip"));
   }
   if (name == "split") {
     auto p = bind(a, {"sep", "maxsplit"}, fn);
-    bool has = p[0] && !(p[0]->is_data() && p[0]->data.is_null());
+    bool has = p[0] && !(p[0]->is_data() && p[0]->data().is_null());
     Str sep = utf8_decode(arg_str(p[0], fn));
     return list_value(py_split(s, has ? &sep : nullptr, arg_int(p[1], fn, -1)));
   }
@@ -768,8 +770,9 @@ Value call_method(const Value& obj, const std::string& name, const CallArgs& a) 
     std::string out, sep = utf8_encode(s);
     bool first = true;
     for (const auto& x : iterate(*p[0])) {
-      if (!x.is_data() || !x.data.is_string()) eval_fail("join(): items must be strings, got ", type_name(x));
-      out += (first ? "" : sep) + x.data.get<std::string>();
+      if (!x.is_data() || !x.data().is_string())
+        eval_fail("join(): items must be strings, got ", type_name(x));
+      out += (first ? "" : sep) + x.data().get<std::string>();
       first = false;
     }
     return Value::of(out);

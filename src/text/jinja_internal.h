@@ -78,7 +78,6 @@ struct Node {
 struct Value {
   enum class Kind { Undefined, Data, Namespace, Callable };
   Kind kind = Kind::Undefined;
-  Json data;                                         // Data
   std::shared_ptr<std::map<std::string, Value>> ns;  // Namespace (shared: set ns.x mutates it)
   const Node* macro = nullptr;                       // Callable: a macro, or
   std::string builtin;                               // Callable: a global function's name
@@ -93,10 +92,24 @@ struct Value {
   // it as a list, so printing its Python repr is refused when it holds any list.
   bool tuples = false;
 
+  // Data: a node of an immutable JSON tree that values share (templates cannot mutate data), so
+  // `messages[i]`, attribute access and iteration cost O(1), not a copy of the subtree.
+  const Json& data() const { return node_ ? *node_ : null_json(); }
+
   static Value of(Json j) {
     Value v;
     v.kind = Kind::Data;
-    v.data = std::move(j);
+    v.root_ = std::make_shared<const Json>(std::move(j));
+    v.node_ = v.root_.get();
+    return v;
+  }
+  // `part` (a node inside `parent`'s data), sharing its storage; keeps the tuples mark.
+  static Value part_of(const Value& parent, const Json& part) {
+    Value v;
+    v.kind = Kind::Data;
+    v.root_ = parent.root_;
+    v.node_ = &part;
+    v.tuples = parent.tuples;
     return v;
   }
   static Value undefined(std::string what) {
@@ -114,6 +127,14 @@ struct Value {
   bool is_iterator() const { return opaque == "generator" || opaque == "list_reverseiterator"; }
   bool indexable() const { return opaque.empty() || opaque == "range"; }
   bool is_data() const { return kind == Kind::Data; }
+
+ private:
+  static const Json& null_json() {
+    static const Json null;
+    return null;
+  }
+  std::shared_ptr<const Json> root_;
+  const Json* node_ = nullptr;
 };
 
 // Thrown by the builtins without knowing the line; the evaluator adds template name and line.

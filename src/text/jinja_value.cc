@@ -239,11 +239,11 @@ std::string py_str(const Value& v) {
   if (!v.opaque.empty())
     eval_fail("cannot print ", type_name(v),
               " (Jinja2 would print a Python object here); convert it with |list");
-  if (v.tuples && holds_list(v.data))
+  if (v.tuples && holds_list(v.data()))
     eval_fail(
         "cannot print a value holding tuples (from items(), dictsort or a tuple literal): Python's tuple "
         "repr is not supported");
-  return v.data.is_string() ? v.data.get<std::string>() : py_repr(v.data);
+  return v.data().is_string() ? v.data().get<std::string>() : py_repr(v.data());
 }
 
 std::string py_json(const Json& j, bool ensure_ascii, const Json& indent, const std::string& item_sep,
@@ -330,7 +330,7 @@ std::string type_name(const Value& v) {
     case Value::Kind::Data:
       break;
   }
-  switch (v.data.type()) {
+  switch (v.data().type()) {
     case Json::value_t::null:
       return "none";
     case Json::value_t::boolean:
@@ -347,7 +347,7 @@ std::string type_name(const Value& v) {
     case Json::value_t::object:
       return "a dict";
     default:
-      return v.data.type_name();
+      return v.data().type_name();
   }
 }
 
@@ -355,7 +355,7 @@ bool truthy(const Value& v) {
   if (v.is_undefined()) return false;
   if (v.is_iterator()) return true;  // a Python generator is true even when it yields nothing
   if (!v.is_data()) return true;
-  const Json& j = v.data;
+  const Json& j = v.data();
   if (j.is_null()) return false;
   if (j.is_boolean()) return j.get<bool>();
   if (is_int(j)) return j.is_number_unsigned() ? j.get<uint64_t>() != 0 : as_int(j) != 0;
@@ -412,9 +412,9 @@ std::vector<Value> iterate(const Value& v) {
   std::vector<Value> out;
   if (v.is_undefined()) return out;
   if (!v.is_data()) eval_fail("cannot iterate over ", type_name(v));
-  const Json& j = v.data;
+  const Json& j = v.data();
   if (j.is_array()) {
-    for (const auto& x : j) out.push_back(Value::typed(x, "", v.tuples));
+    for (const auto& x : j) out.push_back(Value::part_of(v, x));
   } else if (j.is_object()) {
     for (const auto& [k, x] : j.items()) out.push_back(Value::of(k));
   } else if (j.is_string()) {
@@ -429,8 +429,8 @@ std::vector<Value> iterate(const Value& v) {
 size_t py_len(const Value& v) {
   if (v.is_undefined()) return 0;
   if (v.is_iterator()) eval_fail(type_name(v), " has no length (Jinja2 yields it lazily); use |list|length");
-  if (v.is_data() && v.data.is_string()) return utf8_decode(v.data.get_ref<const std::string&>()).size();
-  if (v.is_data() && (v.data.is_array() || v.data.is_object())) return v.data.size();
+  if (v.is_data() && v.data().is_string()) return utf8_decode(v.data().get_ref<const std::string&>()).size();
+  if (v.is_data() && (v.data().is_array() || v.data().is_object())) return v.data().size();
   eval_fail(type_name(v), " has no length");
 }
 
