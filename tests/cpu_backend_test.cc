@@ -11,7 +11,10 @@
 #include <cmath>
 #include <cstdio>
 #include <cstring>
+#include <fstream>
 #include <random>
+
+#include <nlohmann/json.hpp>
 
 #include "backend/backend.h"
 #include "backend/cpu/kernels.h"
@@ -518,5 +521,53 @@ INSTANTIATE_TEST_SUITE_P(Cases, CpuGolden, ::testing::ValuesIn(golden_params()),
                          [](const ::testing::TestParamInfo<GoldenParam>& p) {
                            return p.param.name + (p.param.attn == AttnImpl::kAbsorb ? "_absorb" : "_naive");
                          });
+
+}  // namespace
+
+namespace {
+
+// --kv-cache-gb: the cache is cut to the budget and a request past it is a clear error.
+TEST(KvCacheBudget, CutsMaxLenAndNamesTheBudgetWhenExceeded) {
+  const std::string dir = case_dir("v3_fp8") + "/hf";
+  ModelOptions opt;
+  opt.max_slots = 4;
+  auto probe = Checkpoint::open(dir);
+  const int64_t per_pos = kv_cache_bytes_per_position(probe->args(), AttnImpl::kAbsorb);
+  opt.kv_cache_gb = double(4 * 10 * per_pos + 100) / 1e9;  // 10 positions per sequence
+  Model model(std::move(probe), make_cpu_backend(), opt);
+  EXPECT_EQ(model.max_len(), 10);
+  EXPECT_EQ(model.kv_cache_bytes(), 4 * 10 * per_pos);
+  std::vector<int32_t> toks(10, 3);
+  std::vector<float> logits(size_t(model.args().vocab_size));
+  model.forward(toks.data(), 1, 10, 0, logits.data());  // fills positions 0..9: fits
+  try {
+    model.forward(toks.data(), 1, 1, 10, logits.data());
+    FAIL() << "position 10 should not fit";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("--kv-cache-gb"), std::string::npos) << e.what();
+  }
+  ModelOptions tiny = opt;
+  tiny.kv_cache_gb = 1e-9;
+  EXPECT_THROW(Model(Checkpoint::open(dir), make_cpu_backend(), tiny), Error);
+}
+
+// dsv3 bench end to end on a tiny golden model: one JSON object with the fields the issue names.
+TEST(BenchCommand, PrintsOneJsonObjectWithTheFloors) {
+  const std::string out = ::testing::TempDir() + "/dsv3_bench.json";
+  const std::string cmd = std::string(DSV3_BINARY) + " bench --model " + case_dir("v3_fp8") +
+                          "/hf --batch 1,3 --prompt 20 --gen 3 --decode-ctx 5 --bw-gb 0.05 --threads 2 --json > " + out +
+                          " 2>/dev/null";
+  ASSERT_EQ(std::system(cmd.c_str()), 0) << cmd;
+  std::ifstream f(out);
+  nlohmann::json j = nlohmann::json::parse(f);
+  EXPECT_GT(j["read_bandwidth_GBps"].get<double>(), 0);
+  EXPECT_EQ(j["prefill"]["tokens"].get<int>(), 20);
+  EXPECT_GT(j["prefill"]["tok_s"].get<double>(), 0);
+  ASSERT_EQ(j["decode"].size(), 2u);
+  EXPECT_EQ(j["decode"][1]["batch"].get<int>(), 3);
+  EXPECT_GT(j["decode"][1]["bytes_per_step"].get<double>(), j["decode"][0]["bytes_per_step"].get<double>());
+  EXPECT_GT(j["decode"][0]["fraction_of_floor"].get<double>(), 0);
+  EXPECT_GT(j["peak_rss_bytes"].get<int64_t>(), 0);
+}
 
 }  // namespace

@@ -21,8 +21,30 @@ Model::Model(const ModelArgs& args, ModelWeights w, std::unique_ptr<Backend> bac
   init();
 }
 
+int64_t kv_cache_bytes_per_position(const ModelArgs& a, AttnImpl attn) {
+  const int64_t per_layer = attn == AttnImpl::kAbsorb ? a.kv_lora_rank + a.qk_rope_head_dim
+                                                      : int64_t(a.n_heads) * (a.qk_head_dim() + a.v_head_dim);
+  return per_layer * int64_t(sizeof(float)) * a.n_layers;
+}
+
+int64_t Model::kv_cache_bytes() const {
+  return int64_t(opt_.max_slots) * opt_.max_len * kv_cache_bytes_per_position(args_, opt_.attn);
+}
+
 void Model::init() {
   if (opt_.max_len <= 0 || opt_.max_len > args_.max_seq_len) opt_.max_len = args_.max_seq_len;
+  if (opt_.kv_cache_gb < 0) fail("--kv-cache-gb must not be negative, got ", opt_.kv_cache_gb);
+  if (opt_.kv_cache_gb > 0) {
+    const int64_t per_pos = kv_cache_bytes_per_position(args_, opt_.attn);
+    const int64_t fit = int64_t(opt_.kv_cache_gb * 1e9) / per_pos / opt_.max_slots;
+    if (fit < 1)
+      fail("--kv-cache-gb ", opt_.kv_cache_gb, " holds less than one position for each of ", opt_.max_slots,
+           " sequences (one position takes ", per_pos, " bytes); raise it or lower the batch");
+    if (fit < opt_.max_len) {
+      opt_.max_len = int(fit);
+      budget_limited_ = true;
+    }
+  }
   rope_ = RopeTable(args_, opt_.max_len);
   const int64_t rows = int64_t(opt_.max_slots) * opt_.max_len;
   cache_.resize(size_t(args_.n_layers));
@@ -95,6 +117,11 @@ void Model::forward(const int32_t* tokens, const TokenPos* pos, int64_t n, const
   for (int64_t i = 0; i < n; ++i) {
     if (tokens[i] < 0 || tokens[i] >= a.vocab_size)
       fail("token id ", tokens[i], " is outside the vocabulary [0, ", a.vocab_size, ")");
+    if (pos[i].pos >= opt_.max_len && budget_limited_)
+      fail("position ", pos[i].pos, " needs more KV cache than --kv-cache-gb ", opt_.kv_cache_gb, " gives: it holds ",
+           opt_.max_len, " positions for each of ", opt_.max_slots, " sequences (",
+           kv_cache_bytes_per_position(args_, opt_.attn), " bytes per position); raise --kv-cache-gb or run fewer "
+           "sequences at once");
     if (pos[i].pos < 0 || pos[i].pos >= opt_.max_len)
       fail("position ", pos[i].pos, " is past the maximum sequence length ", opt_.max_len);
     if (pos[i].slot < 0 || pos[i].slot >= opt_.max_slots)

@@ -17,7 +17,15 @@ struct ModelOptions {
   AttnImpl attn = AttnImpl::kAbsorb;
   int max_slots = 8;    // KV cache rows (concurrent sequences)
   int max_len = 0;      // positions per row; 0 = the config's max_position_embeddings
+  // KV cache budget in GB (1e9 bytes); 0 = no budget (slots x max_len). With a budget, max_len
+  // is cut to what max_slots rows fit in it, and a request past that is an Error that names
+  // the budget (--kv-cache-gb).
+  double kv_cache_gb = 0;
 };
+
+// Bytes of KV cache one position of one sequence takes (all layers; float32 latent + rope key
+// for absorbed MLA, full K and V for naive).
+int64_t kv_cache_bytes_per_position(const ModelArgs& a, AttnImpl attn);
 
 class Model {
  public:
@@ -31,12 +39,15 @@ class Model {
 
   const ModelArgs& args() const { return args_; }
   const ModelWeights& weights() const { return w_; }
+  Backend& backend() { return *be_; }  // e.g. for its benchmark counters
   const Checkpoint& checkpoint() const {
     DSV3_CHECK(ck_, "this model was built from weights, not a checkpoint");
     return *ck_;
   }
   int max_slots() const { return opt_.max_slots; }
   int max_len() const { return opt_.max_len; }
+  // Bytes the KV cache was sized for (slots x max_len x bytes per position).
+  int64_t kv_cache_bytes() const;
 
   // The reference's forward(tokens [B, T], start_pos): rows 0..B-1 write cache slots 0..B-1 at
   // positions [start_pos, start_pos + T), attend causally, and give the logits of each row's last
@@ -71,6 +82,7 @@ class Model {
   std::vector<LayerCache> cache_;
   // Workspace (backend memory), sized for ws_tokens_ tokens and logit_rows_ rows of logits.
   int64_t ws_tokens_ = 0, logit_rows_ = 0;
+  bool budget_limited_ = false;  // max_len was cut to fit opt_.kv_cache_gb
   float *h_ = nullptr, *x_ = nullptr, *q_ = nullptr, *qa_ = nullptr, *kv_ = nullptr, *attn_ = nullptr,
         *y_ = nullptr, *last_ = nullptr, *logits_ = nullptr;
 };

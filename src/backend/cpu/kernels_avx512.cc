@@ -33,71 +33,145 @@ inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 // --- weights -> float32 in registers ------------------------------------------------------------------
 enum class WT { kFp8, kBf16, kF16, kF32 };
 
-// 64 weights of one row from column k0 (n valid, zeros past them) as four vectors of 16 floats.
-// FP8 values come out times 2^-8 (the caller folds 2^8 and the block scale into x).
 template <WT T>
-DSV3_AVX512_INLINE void load64(const void* row, int64_t k0, int64_t n, const Fp8F32Consts& k, __m512 v[4]) {
+constexpr size_t elem_size() { return T == WT::kFp8 ? 1 : T == WT::kF32 ? 4 : 2; }
+
+// The k order in which load64<T> delivers a 64-weight chunk (the activations are packed to match).
+template <WT T>
+constexpr const Order64& order_of() { return T == WT::kFp8 ? kOrderFp8 : T == WT::kBf16 ? kOrderPair : kOrderNatural; }
+
+// 64 weights of one row from column k0 (n valid, zeros past them) as four vectors of 16 floats,
+// in order_of<T>(). FP8 values come out times 2^-8 (the caller folds 2^8 and the block scale
+// into x).
+template <WT T>
+DSV3_AVX512_INLINE void load64(const void* row, int64_t k0, int64_t n, const Fp8Consts& c, __m512 v[4]) {
   if constexpr (T == WT::kFp8) {
     const uint8_t* p = static_cast<const uint8_t*>(row) + k0;
-    fp8_to_f32(n >= 64 ? _mm512_loadu_si512(p) : _mm512_maskz_loadu_epi8(tail_mask64(n), p), k, v);
+    fp8_to_f32(n >= 64 ? _mm512_loadu_si512(p) : _mm512_maskz_loadu_epi8(tail_mask64(n), p), c, v);
+  } else if constexpr (T == WT::kBf16) {
+    const uint16_t* p = static_cast<const uint16_t*>(row) + k0;
+    if (n >= 64) {
+      bf16_to_f32(_mm512_loadu_si512(p), _mm512_loadu_si512(p + 32), v);
+    } else {
+      bf16_to_f32(_mm512_maskz_loadu_epi16(tail_mask32(n), p),
+                  _mm512_maskz_loadu_epi16(n > 32 ? tail_mask32(n - 32) : 0, p + 32), v);
+    }
   } else if constexpr (T == WT::kF32) {
     const float* p = static_cast<const float*>(row) + k0;
+    DSV3_UNROLL
     for (int q = 0; q < 4; ++q)
       v[q] = n >= 64 ? _mm512_loadu_ps(p + 16 * q) : _mm512_maskz_loadu_ps(n > 16 * q ? tail_mask16(n - 16 * q) : 0, p + 16 * q);
   } else {
     const uint16_t* p = static_cast<const uint16_t*>(row) + k0;
-    for (int q = 0; q < 4; ++q) {
-      __m256i h = n >= 64 ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 16 * q))
-                          : _mm256_maskz_loadu_epi16(n > 16 * q ? tail_mask16(n - 16 * q) : 0, p + 16 * q);
-      if constexpr (T == WT::kBf16) v[q] = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-      else v[q] = _mm512_cvtph_ps(h);
-    }
+    DSV3_UNROLL
+    for (int q = 0; q < 4; ++q)
+      v[q] = _mm512_cvtph_ps(n >= 64 ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 16 * q))
+                                     : _mm256_maskz_loadu_epi16(n > 16 * q ? tail_mask16(n - 16 * q) : 0, p + 16 * q));
   }
 }
 
 inline int64_t round64(int64_t k) { return (k + 63) / 64 * 64; }
 
-// xs[m][0 .. round64(K)) = x[m][k] * f[k / 128] (f == nullptr: 1), zero padded.
-DSV3_AVX512 void pack_x(const float* x, int64_t M, int64_t ldx, int64_t K, const float* f, float* xs, int64_t ldxs) {
-  const int64_t Kp = round64(K);
+// Permutation of a 64-float chunk into an order: out_q = blend(x0:x1 [idx], x2:x3 [idx]).
+struct PackPerm {
+  alignas(64) int32_t idx[4][16];
+  uint16_t hi[4];
+};
+constexpr PackPerm make_pack_perm(const Order64& o) {
+  PackPerm p{};
+  for (int q = 0; q < 4; ++q)
+    for (int i = 0; i < 16; ++i) {
+      p.idx[q][i] = o.k[16 * q + i] & 31;
+      if (o.k[16 * q + i] >= 32) p.hi[q] = uint16_t(p.hi[q] | (1u << i));
+    }
+  return p;
+}
+constexpr PackPerm kPermNatural = make_pack_perm(kOrderNatural), kPermFp8 = make_pack_perm(kOrderFp8),
+                   kPermPair = make_pack_perm(kOrderPair);
+template <WT T>
+constexpr const PackPerm& perm_of() { return T == WT::kFp8 ? kPermFp8 : T == WT::kBf16 ? kPermPair : kPermNatural; }
+
+// xs[m][0 .. round64(K)) = x[m][k] * f[k / 128] (f == nullptr: 1), zero padded, each 64-chunk in
+// the order of `perm`.
+DSV3_AVX512 void pack_x(const float* x, int64_t M, int64_t ldx, int64_t K, const float* f, float* xs, int64_t ldxs,
+                        const PackPerm& perm) {
+  const bool identity = &perm == &kPermNatural;
+  __m512i idx[4];
+  DSV3_UNROLL
+  for (int q = 0; q < 4; ++q) idx[q] = _mm512_load_si512(perm.idx[q]);
   for (int64_t m = 0; m < M; ++m)
-    for (int64_t k = 0; k < Kp; k += 16) {
-      const __m512 fv = _mm512_set1_ps(f ? f[k / kBlock] : 1.f);
-      __m512 v = k + 16 <= K ? _mm512_loadu_ps(x + m * ldx + k)
-                             : _mm512_maskz_loadu_ps(k < K ? tail_mask16(K - k) : 0, x + m * ldx + k);
-      _mm512_storeu_ps(xs + m * ldxs + k, _mm512_mul_ps(v, fv));
+    for (int64_t k0 = 0; k0 < K; k0 += 64) {
+      const __m512 fv = _mm512_set1_ps(f ? f[k0 / kBlock] : 1.f);
+      __m512 v[4];
+      DSV3_UNROLL
+      for (int q = 0; q < 4; ++q) {
+        const int64_t k = k0 + 16 * q;
+        v[q] = _mm512_mul_ps(k + 16 <= K ? _mm512_loadu_ps(x + m * ldx + k)
+                                         : _mm512_maskz_loadu_ps(k < K ? tail_mask16(K - k) : 0, x + m * ldx + k),
+                             fv);
+      }
+      float* out = xs + m * ldxs + k0;
+      if (identity) {
+        DSV3_UNROLL
+        for (int q = 0; q < 4; ++q) _mm512_storeu_ps(out + 16 * q, v[q]);
+      } else {
+        DSV3_UNROLL
+        for (int q = 0; q < 4; ++q)
+          _mm512_storeu_ps(out + 16 * q, _mm512_mask_blend_ps(perm.hi[q], _mm512_permutex2var_ps(v[0], idx[q], v[1]),
+                                                               _mm512_permutex2var_ps(v[2], idx[q], v[3])));
+      }
     }
 }
 
 // --- direct kernel (few tokens): each 64-weight chunk converted once, used by all M tokens --------------
 // y[m*ldy + r] = sum_k W[r][k] xs[m][k] for R rows (row stride ldw elements) and M tokens.
+template <WT T, int R, int M, int NA, bool kTail>
+DSV3_AVX512_INLINE void mk_direct_step(const char* wb, int64_t ldw, int64_t k0, int64_t n, const float* xs, int64_t ldxs,
+                                       const Fp8Consts& cst, __m512 (&acc)[R][M][NA]) {
+  constexpr size_t esz = elem_size<T>();
+  DSV3_UNROLL
+  for (int r = 0; r < R; ++r) {
+    __m512 v[4];
+    // The row group after this one, same chunk: R interleaved 2-KB streams are too short for the
+    // hardware prefetcher to ramp up on (prefetching past the end is harmless).
+    DSV3_UNROLL
+    for (size_t off = 0; off < 64 * esz; off += 64)
+      _mm_prefetch(wb + size_t((R + r) * ldw + k0) * esz + off, _MM_HINT_T0);
+    load64<T>(wb + size_t(r * ldw) * esz, k0, kTail ? n : 64, cst, v);
+    DSV3_UNROLL
+    for (int m = 0; m < M; ++m) {
+      const float* xm = xs + m * ldxs + k0;
+      DSV3_UNROLL
+      for (int q = 0; q < 4; ++q)
+        acc[r][m][q % NA] = _mm512_fmadd_ps(v[q], _mm512_loadu_ps(xm + 16 * q), acc[r][m][q % NA]);
+    }
+  }
+}
+
 template <WT T, int R, int M>
 DSV3_AVX512 void mk_direct(const void* w, int64_t ldw, int64_t K, const float* xs, int64_t ldxs, float* y, int64_t ldy) {
   constexpr int NA = M <= 2 ? 2 : 1;  // two chains per (row, token) when there are few of them
-  constexpr size_t esz = T == WT::kFp8 ? 1 : T == WT::kF32 ? 4 : 2;
-  const Fp8F32Consts cst = fp8_f32_consts();
+  const Fp8Consts cst = fp8_consts();
   __m512 acc[R][M][NA];
+  DSV3_UNROLL
   for (int r = 0; r < R; ++r)
+    DSV3_UNROLL
     for (int m = 0; m < M; ++m)
+      DSV3_UNROLL
       for (int a = 0; a < NA; ++a) acc[r][m][a] = _mm512_setzero_ps();
   const char* wb = static_cast<const char*>(w);
-  for (int64_t k0 = 0; k0 < K; k0 += 64) {
-    for (int r = 0; r < R; ++r) {
-      __m512 v[4];
-      load64<T>(wb + size_t(r * ldw) * esz, k0, K - k0, cst, v);
-      for (int m = 0; m < M; ++m) {
-        const float* xm = xs + m * ldxs + k0;
-        for (int q = 0; q < 4; ++q)
-          acc[r][m][q % NA] = _mm512_fmadd_ps(v[q], _mm512_loadu_ps(xm + 16 * q), acc[r][m][q % NA]);
-      }
-    }
-  }
+  const int64_t kfull = K / 64 * 64;
+  for (int64_t k0 = 0; k0 < kfull; k0 += 64) mk_direct_step<T, R, M, NA, false>(wb, ldw, k0, 64, xs, ldxs, cst, acc);
+  if (kfull < K) mk_direct_step<T, R, M, NA, true>(wb, ldw, kfull, K - kfull, xs, ldxs, cst, acc);
+  DSV3_UNROLL
   for (int m = 0; m < M; ++m) {
     __m512 s[R];
+    DSV3_UNROLL
     for (int r = 0; r < R; ++r) s[r] = NA == 2 ? _mm512_add_ps(acc[r][m][0], acc[r][m][NA - 1]) : acc[r][m][0];
     if constexpr (R == 4) {
       _mm_storeu_ps(y + m * ldy, hsum4(s[0], s[1], s[2], s[3]));
     } else {
+      DSV3_UNROLL
       for (int r = 0; r < R; ++r) y[m * ldy + r] = hsum(s[r]);
     }
   }
@@ -106,7 +180,7 @@ DSV3_AVX512 void mk_direct(const void* w, int64_t ldw, int64_t K, const float* x
 template <WT T, int M>
 DSV3_AVX512 void direct_rows(const void* w, int64_t ldw, int64_t nr, int64_t K, const float* xs, int64_t ldxs, float* y,
                              int64_t ldy) {
-  constexpr size_t esz = T == WT::kFp8 ? 1 : T == WT::kF32 ? 4 : 2;
+  constexpr size_t esz = elem_size<T>();
   const char* wb = static_cast<const char*>(w);
   int64_t r = 0;
   for (; r + 4 <= nr; r += 4) mk_direct<T, 4, M>(wb + size_t(r * ldw) * esz, ldw, K, xs, ldxs, y + r, ldy);
@@ -117,7 +191,7 @@ DSV3_AVX512 void direct_rows(const void* w, int64_t ldw, int64_t nr, int64_t K, 
 template <WT T>
 DSV3_AVX512 void direct_tokens(const void* w, int64_t ldw, int64_t nr, int64_t K, const float* xs, int64_t ldxs,
                                int64_t M, float* y, int64_t ldy) {
-  constexpr size_t esz = T == WT::kFp8 ? 1 : T == WT::kF32 ? 4 : 2;
+  constexpr size_t esz = elem_size<T>();
   for (int64_t rb = 0; rb < nr; rb += 64) {
     const void* wr = static_cast<const char*>(w) + size_t(rb * ldw) * esz;
     const int64_t n = std::min<int64_t>(64, nr - rb);
@@ -138,20 +212,27 @@ DSV3_AVX512 void direct_tokens(const void* w, int64_t ldw, int64_t nr, int64_t K
 template <int R, int T>
 DSV3_AVX512 void mk_panel(const float* p, int64_t ldp, const float* xs, int64_t ldxs, int64_t Kp, float* y, int64_t ldy) {
   __m512 acc[R][T];
+  DSV3_UNROLL
   for (int r = 0; r < R; ++r)
+    DSV3_UNROLL
     for (int t = 0; t < T; ++t) acc[r][t] = _mm512_setzero_ps();
   for (int64_t k = 0; k < Kp; k += 16) {
     __m512 wv[R];
+    DSV3_UNROLL
     for (int r = 0; r < R; ++r) wv[r] = _mm512_loadu_ps(p + r * ldp + k);
+    DSV3_UNROLL
     for (int t = 0; t < T; ++t) {
       const __m512 xv = _mm512_loadu_ps(xs + t * ldxs + k);
+      DSV3_UNROLL
       for (int r = 0; r < R; ++r) acc[r][t] = _mm512_fmadd_ps(wv[r], xv, acc[r][t]);
     }
   }
+  DSV3_UNROLL
   for (int t = 0; t < T; ++t) {
     if constexpr (R == 4) {
       _mm_storeu_ps(y + t * ldy, hsum4(acc[0][t], acc[1][t], acc[2][t], acc[3][t]));
     } else {
+      DSV3_UNROLL
       for (int r = 0; r < R; ++r) y[t * ldy + r] = hsum(acc[r][t]);
     }
   }
@@ -184,12 +265,13 @@ DSV3_AVX512 void panel_rows(const float* p, int64_t ldp, int64_t nr, const float
 
 template <WT T>
 DSV3_AVX512 void to_panel(const void* w, int64_t ldw, int64_t nr, int64_t K, float* panel, int64_t ldp) {
-  constexpr size_t esz = T == WT::kFp8 ? 1 : T == WT::kF32 ? 4 : 2;
-  const Fp8F32Consts cst = fp8_f32_consts();
+  constexpr size_t esz = elem_size<T>();
+  const Fp8Consts cst = fp8_consts();
   for (int64_t r = 0; r < nr; ++r)
     for (int64_t k0 = 0; k0 < ldp; k0 += 64) {
       __m512 v[4];
       load64<T>(static_cast<const char*>(w) + size_t(r * ldw) * esz, k0, K - k0, cst, v);
+      DSV3_UNROLL
       for (int q = 0; q < 4; ++q) _mm512_storeu_ps(panel + r * ldp + k0 + 16 * q, v[q]);
     }
 }
@@ -209,7 +291,7 @@ DSV3_AVX512 void rows_any(const void* w, int64_t ldw, int64_t nr, int64_t K, con
     direct_tokens<T>(w, ldw, nr, K, xs, ldxs, M, y, ldy);
     return;
   }
-  constexpr size_t esz = T == WT::kFp8 ? 1 : T == WT::kF32 ? 4 : 2;
+  constexpr size_t esz = elem_size<T>();
   const int64_t Kp = round64(K);
   float* panel = s.get<float>(2, size_t(4 * Kp));
   for (int64_t p = 0; p < nr; p += 4) {
@@ -234,17 +316,17 @@ DSV3_AVX512 void matmul_dt(const float* x, int64_t M, int64_t ldx, const Linear&
       for (int64_t j = 0; j < kb; ++j) f[j] = sc[nb * kb + j] * 256.f;
       for (int64_t m0 = 0; m0 < M; m0 += mt) {
         const int64_t mm = std::min(mt, M - m0);
-        pack_x(x + m0 * ldx, mm, ldx, K, f, xs, Kp);
+        pack_x(x + m0 * ldx, mm, ldx, K, f, xs, Kp, perm_of<T>());
         rows_any<T>(w + r * K, K, re - r, K, xs, Kp, mm, y + m0 * ldy + (r - r0), ldy, s);
       }
       r = re;
     }
   } else {
-    constexpr size_t esz = T == WT::kF32 ? 4 : 2;
+    constexpr size_t esz = elem_size<T>();
     const char* w = static_cast<const char*>(wl.weight.data) + size_t(r0 * K) * esz;
     for (int64_t m0 = 0; m0 < M; m0 += mt) {
       const int64_t mm = std::min(mt, M - m0);
-      pack_x(x + m0 * ldx, mm, ldx, K, nullptr, xs, Kp);
+      pack_x(x + m0 * ldx, mm, ldx, K, nullptr, xs, Kp, perm_of<T>());
       rows_any<T>(w, K, nr, K, xs, Kp, mm, y + m0 * ldy, ldy, s);
     }
   }
@@ -268,13 +350,14 @@ DSV3_AVX512 void matmul_avx512(const float* x, int64_t M, int64_t ldx, const Lin
 template <WT T, int M>
 DSV3_AVX512 void t_direct(const float* x, int64_t ldx, const Linear& wl, int64_t d0, int64_t nd, float* y, int64_t ldy,
                           Scratch& s) {
-  constexpr size_t esz = T == WT::kFp8 ? 1 : T == WT::kF32 ? 4 : 2;
+  constexpr size_t esz = elem_size<T>();
   const int64_t C = wl.in(), kb = ceil_div(C, kBlock);
   const char* w = static_cast<const char*>(wl.weight.data);
-  const Fp8F32Consts cst = fp8_f32_consts();
+  const Fp8Consts cst = fp8_consts();
   float* xs = s.get<float>(3, size_t(M * nd));
   const int64_t nblocks = T == WT::kFp8 ? kb : 1;
   for (int64_t cb = 0; cb < nblocks; ++cb) {
+    DSV3_UNROLL
     for (int m = 0; m < M; ++m)
       for (int64_t d = 0; d < nd; ++d)
         xs[m * nd + d] = T == WT::kFp8 ? x[m * ldx + d] * wl.scale.as<float>()[((d0 + d) / kBlock) * kb + cb] * 256.f
@@ -283,19 +366,30 @@ DSV3_AVX512 void t_direct(const float* x, int64_t ldx, const Linear& wl, int64_t
     for (int64_t c0 = T == WT::kFp8 ? cb * kBlock : 0; c0 < c_end; c0 += 64) {
       const int64_t ncol = std::min<int64_t>(64, C - c0);
       __m512 acc[M][4];
+      DSV3_UNROLL
       for (int m = 0; m < M; ++m)
+        DSV3_UNROLL
         for (int q = 0; q < 4; ++q) acc[m][q] = _mm512_setzero_ps();
       for (int64_t d = 0; d < nd; ++d) {
         __m512 v[4];
         load64<T>(w + size_t((d0 + d) * C) * esz, c0, ncol, cst, v);
+        DSV3_UNROLL
         for (int m = 0; m < M; ++m) {
           const __m512 b = _mm512_set1_ps(xs[m * nd + d]);
+          DSV3_UNROLL
           for (int q = 0; q < 4; ++q) acc[m][q] = _mm512_fmadd_ps(v[q], b, acc[m][q]);
         }
       }
-      for (int m = 0; m < M; ++m)
-        for (int q = 0; q < 4 && 16 * q < ncol; ++q)
-          _mm512_mask_storeu_ps(y + m * ldy + c0 + 16 * q, tail_mask16(ncol - 16 * q), acc[m][q]);
+      constexpr const Order64& ord = order_of<T>();
+      DSV3_UNROLL
+      for (int m = 0; m < M; ++m) {
+        alignas(64) float tmp[64];
+        DSV3_UNROLL
+        for (int q = 0; q < 4; ++q) _mm512_store_ps(tmp + 16 * q, acc[m][q]);
+        float* ym = y + m * ldy + c0;
+        for (int p = 0; p < 64; ++p)
+          if (ord.k[p] < ncol) ym[ord.k[p]] = tmp[p];
+      }
     }
   }
 }
@@ -336,7 +430,7 @@ DSV3_AVX512 void matmul_t_generic(const float* x, int64_t M, int64_t ldx, const 
   float* xs = s.get<float>(0, size_t(mt * ndp));
   for (int64_t m0 = 0; m0 < M; m0 += mt) {
     const int64_t mm = std::min(mt, M - m0);
-    pack_x(x + m0 * ldx, mm, ldx, nd, nullptr, xs, ndp);
+    pack_x(x + m0 * ldx, mm, ldx, nd, nullptr, xs, ndp, kPermNatural);
     panel_rows(wt, ndp, C, xs, ndp, mm, ndp, y + m0 * ldy, ldy);
   }
 }
@@ -359,30 +453,40 @@ template <int BM, int BN>
 DSV3_AVX512 void nt_block(const float* a, int64_t lda, const float* b, int64_t ldb, int64_t K, float alpha, float* c,
                           int64_t ldc) {
   __m512 acc[BM][BN];
+  DSV3_UNROLL
   for (int i = 0; i < BM; ++i)
+    DSV3_UNROLL
     for (int j = 0; j < BN; ++j) acc[i][j] = _mm512_setzero_ps();
   int64_t k = 0;
   for (; k + 16 <= K; k += 16) {
     __m512 bv[BN];
+    DSV3_UNROLL
     for (int j = 0; j < BN; ++j) bv[j] = _mm512_loadu_ps(b + j * ldb + k);
+    DSV3_UNROLL
     for (int i = 0; i < BM; ++i) {
       __m512 av = _mm512_loadu_ps(a + i * lda + k);
+      DSV3_UNROLL
       for (int j = 0; j < BN; ++j) acc[i][j] = _mm512_fmadd_ps(av, bv[j], acc[i][j]);
     }
   }
   if (k < K) {
     const __mmask16 km = tail_mask16(K - k);
     __m512 bv[BN];
+    DSV3_UNROLL
     for (int j = 0; j < BN; ++j) bv[j] = _mm512_maskz_loadu_ps(km, b + j * ldb + k);
+    DSV3_UNROLL
     for (int i = 0; i < BM; ++i) {
       __m512 av = _mm512_maskz_loadu_ps(km, a + i * lda + k);
+      DSV3_UNROLL
       for (int j = 0; j < BN; ++j) acc[i][j] = _mm512_fmadd_ps(av, bv[j], acc[i][j]);
     }
   }
+  DSV3_UNROLL
   for (int i = 0; i < BM; ++i) {
     if constexpr (BN == 4) {
       _mm_storeu_ps(c + i * ldc, _mm_mul_ps(hsum4(acc[i][0], acc[i][1], acc[i][2], acc[i][3]), _mm_set1_ps(alpha)));
     } else {
+      DSV3_UNROLL
       for (int j = 0; j < BN; ++j) c[i * ldc + j] = alpha * hsum(acc[i][j]);
     }
   }
@@ -409,18 +513,26 @@ DSV3_AVX512 void nn_block(const float* p, int64_t ldp, const float* v, int64_t l
   // o[i][0..J) (J <= 64) += sum_n p[i][n] v[n][0..J)
   __m512 acc[BM][4];
   __mmask16 km[4];
+  DSV3_UNROLL
   for (int j = 0; j < 4; ++j) km[j] = J > 16 * j ? tail_mask16(J - 16 * j) : 0;
+  DSV3_UNROLL
   for (int i = 0; i < BM; ++i)
+    DSV3_UNROLL
     for (int j = 0; j < 4; ++j) acc[i][j] = _mm512_maskz_loadu_ps(km[j], o + i * ldo + 16 * j);
   for (int64_t n = 0; n < N; ++n) {
     __m512 vv[4];
+    DSV3_UNROLL
     for (int j = 0; j < 4; ++j) vv[j] = _mm512_maskz_loadu_ps(km[j], v + n * ldv + 16 * j);
+    DSV3_UNROLL
     for (int i = 0; i < BM; ++i) {
       __m512 pv = _mm512_set1_ps(p[i * ldp + n]);
+      DSV3_UNROLL
       for (int j = 0; j < 4; ++j) acc[i][j] = _mm512_fmadd_ps(pv, vv[j], acc[i][j]);
     }
   }
+  DSV3_UNROLL
   for (int i = 0; i < BM; ++i)
+    DSV3_UNROLL
     for (int j = 0; j < 4; ++j) _mm512_mask_storeu_ps(o + i * ldo + 16 * j, km[j], acc[i][j]);
 }
 

@@ -11,6 +11,8 @@
   __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,avx512vbmi,gfni,fma,f16c,bmi,bmi2," \
                         "lzcnt,popcnt")))
 #define DSV3_AVX512_INLINE DSV3_AVX512 inline __attribute__((always_inline))
+// Loops over register-array indices must be unrolled, or the arrays live in memory.
+#define DSV3_UNROLL _Pragma("GCC unroll 32")
 
 namespace dsv3::cpu::avx512 {
 
@@ -72,35 +74,47 @@ DSV3_AVX512_INLINE void fp8_to_bf16(__m512i w, const Fp8Consts& c, __m512i& a, _
   b = _mm512_unpackhi_epi8(lo, hi);
 }
 
-// 64 e4m3 bytes (k = 0..63) -> four vectors of 16 float32 (value * 2^-8) in natural order: the
-// float32 is the bf16 above shifted left by 16, so one two-source byte permute (with the two low
-// bytes zeroed) per 16 values builds it from the high and low bytes.
-struct Fp8F32Consts {
-  Fp8Consts c;
-  __m512i idx[4];
+// 64 e4m3 bytes (k = 0..63) -> four vectors of 16 float32 (value * 2^-8). A float32 is its bf16
+// shifted left by 16, so after the byte interleave the even words become float32 by a 16-bit
+// shift and the odd ones by clearing their low half: 8 vector operations per 64 weights. The
+// result is in "fp8 order" (kOrderFp8 below): vector q, lane 4L + j holds
+// k = 16L + 2j + {0, 1, 8, 9}[q]; the activations are packed in the same order.
+DSV3_AVX512_INLINE void fp8_to_f32(__m512i w, const Fp8Consts& c, __m512 v[4]) {
+  __m512i a, b;
+  fp8_to_bf16(w, c, a, b);
+  const __m512i hm = _mm512_set1_epi32(int(0xFFFF0000u));
+  v[0] = _mm512_castsi512_ps(_mm512_slli_epi32(a, 16));
+  v[1] = _mm512_castsi512_ps(_mm512_and_si512(a, hm));
+  v[2] = _mm512_castsi512_ps(_mm512_slli_epi32(b, 16));
+  v[3] = _mm512_castsi512_ps(_mm512_and_si512(b, hm));
+}
+
+// 64 bf16 (k = 0..63) -> four vectors of float32 in "pair order": vector q, lane i holds
+// k = 32 * (q / 2) + 2i + (q % 2).
+DSV3_AVX512_INLINE void bf16_to_f32(__m512i lo32, __m512i hi32, __m512 v[4]) {
+  const __m512i hm = _mm512_set1_epi32(int(0xFFFF0000u));
+  v[0] = _mm512_castsi512_ps(_mm512_slli_epi32(lo32, 16));
+  v[1] = _mm512_castsi512_ps(_mm512_and_si512(lo32, hm));
+  v[2] = _mm512_castsi512_ps(_mm512_slli_epi32(hi32, 16));
+  v[3] = _mm512_castsi512_ps(_mm512_and_si512(hi32, hm));
+}
+
+// The k held by position p (= 16 q + lane) of a converted 64-weight chunk, per order.
+struct Order64 {
+  int k[64];
 };
-
-DSV3_AVX512_INLINE Fp8F32Consts fp8_f32_consts() {
-  Fp8F32Consts k;
-  k.c = fp8_consts();
-  for (int q = 0; q < 4; ++q) {
-    alignas(64) uint8_t b[64];
-    for (int j = 0; j < 16; ++j) {
-      b[4 * j] = b[4 * j + 1] = 0;
-      b[4 * j + 2] = uint8_t(16 * q + j);       // low byte of the bf16 (first source)
-      b[4 * j + 3] = uint8_t(64 + 16 * q + j);  // high byte (second source)
+constexpr Order64 make_order(int kind) {  // 0 natural, 1 fp8, 2 pair
+  Order64 o{};
+  for (int q = 0; q < 4; ++q)
+    for (int i = 0; i < 16; ++i) {
+      int k = 16 * q + i;
+      if (kind == 1) k = 16 * (i / 4) + 2 * (i % 4) + (q == 0 ? 0 : q == 1 ? 1 : q == 2 ? 8 : 9);
+      if (kind == 2) k = 32 * (q / 2) + 2 * i + (q % 2);
+      o.k[16 * q + i] = k;
     }
-    k.idx[q] = _mm512_load_si512(b);
-  }
-  return k;
+  return o;
 }
-
-DSV3_AVX512_INLINE void fp8_to_f32(__m512i w, const Fp8F32Consts& k, __m512 out[4]) {
-  __m512i hi, lo;
-  fp8_hi_lo(w, k.c, hi, lo);
-  const __mmask64 top2 = 0xCCCCCCCCCCCCCCCCull;
-  for (int q = 0; q < 4; ++q) out[q] = _mm512_castsi512_ps(_mm512_maskz_permutex2var_epi8(top2, lo, k.idx[q], hi));
-}
+inline constexpr Order64 kOrderNatural = make_order(0), kOrderFp8 = make_order(1), kOrderPair = make_order(2);
 
 DSV3_AVX512_INLINE __mmask64 tail_mask64(int64_t n) { return n >= 64 ? ~__mmask64(0) : (__mmask64(1) << n) - 1; }
 DSV3_AVX512_INLINE __mmask32 tail_mask32(int64_t n) { return n >= 32 ? ~__mmask32(0) : (__mmask32(1u) << n) - 1; }

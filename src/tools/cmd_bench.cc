@@ -1,0 +1,285 @@
+// dsv3 bench: prefill and decode speed of a model on this machine, each beside the floor it
+// measures itself: read bandwidth (a STREAM-style multi-threaded sum) against the bytes a decode
+// step reads (weights at stored width, the routed experts actually hit, the KV cache), and the
+// peak of the matrix arithmetic the backend uses against prefill's useful FLOPs.
+#include <sys/resource.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstring>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <fstream>
+#include <random>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "backend/backend.h"
+#include "backend/cpu/floors.h"
+#include "core/error.h"
+#include "core/thread_pool.h"
+#include "io/checkpoint.h"
+#include "model/model.h"
+#include "model/weights.h"
+#include "tools/command.h"
+
+namespace dsv3 {
+namespace {
+
+double now() { return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count(); }
+
+std::vector<int> parse_list(const std::string& s, const char* what) {
+  std::vector<int> v;
+  std::stringstream ss(s);
+  std::string item;
+  while (std::getline(ss, item, ',')) {
+    char* end = nullptr;
+    long x = std::strtol(item.c_str(), &end, 10);
+    if (item.empty() || *end || x < 1 || x > 4096) fail("--", what, " must be a comma-separated list of integers in [1, 4096], got '", s, "'");
+    v.push_back(int(x));
+  }
+  if (v.empty()) fail("--", what, " is empty");
+  return v;
+}
+
+std::string cpu_model_name() {
+  std::ifstream f("/proc/cpuinfo");
+  std::string line;
+  while (std::getline(f, line))
+    if (line.rfind("model name", 0) == 0) {
+      auto c = line.find(':');
+      return c == std::string::npos ? line : line.substr(c + 2);
+    }
+  return "unknown";
+}
+
+int64_t proc_status_kb(const char* key) {
+  std::ifstream f("/proc/self/status");
+  std::string line;
+  while (std::getline(f, line))
+    if (line.rfind(key, 0) == 0) return std::atoll(line.c_str() + std::strlen(key));
+  return -1;
+}
+
+// Useful FLOPs of a causal prefill of P tokens from position 0 (2 per multiply-add): the
+// projections, the absorbed attention's latent products, the experts each token is routed to,
+// and the head for the last token only.
+double prefill_flops(const ModelArgs& a, int64_t P) {
+  const double H = a.n_heads, C = a.kv_lora_rank, R = a.qk_rope_head_dim, nope = a.qk_nope_head_dim,
+               V = a.v_head_dim, D = a.dim;
+  double per_tok = 0;
+  for (int l = 0; l < a.n_layers; ++l) {
+    double attn = a.q_lora_rank == 0 ? D * H * (nope + R)
+                                     : D * a.q_lora_rank + double(a.q_lora_rank) * H * (nope + R);
+    attn += D * (C + R) + H * V * D + H * C * (nope + V);  // wkv_a, wo, absorbed wkv_b (q side and out side)
+    double ffn = a.is_moe_layer(l) ? (double(a.n_activated_experts) + a.n_shared_experts) * 3 * D * a.moe_inter_dim +
+                                         D * a.n_routed_experts
+                                   : 3 * D * double(a.inter_dim);
+    per_tok += attn + ffn;
+  }
+  // Scores (latent + rope) and the weighted latent sum over positions 0..p for each token.
+  const double core = double(P) * double(P + 1) / 2 * H * (2 * C + R) * a.n_layers;
+  return 2 * (per_tok * double(P) + core + double(a.vocab_size) * D);
+}
+
+int argmax_row(const float* v, int n) { return int(std::max_element(v, v + n) - v); }
+
+int run_bench(int argc, char** argv) {
+  Args args(argc, argv,
+            {"model", "config", "backend", "batch", "prompt", "gen", "threads", "decode-ctx", "kv-cache-gb", "bw-gb", "seed",
+             "attn"},
+            {"json", "mlock"});
+  const bool json = args.has("json");
+  FILE* out = json ? stderr : stdout;
+  if (args.has("threads")) {
+    long t = args.get_int("threads", 0);
+    if (t < 1 || t > 1024) fail("--threads must be in [1, 1024], got ", t);
+    ThreadPool::set_global_threads(int(t));
+  }
+  ThreadPool& pool = ThreadPool::global();
+  const std::string backend = args.get("backend", "cpu");
+  const std::vector<int> batches = parse_list(args.get("batch", "1,8"), "batch");
+  const long prompt = args.get_int("prompt", 512), gen = args.get_int("gen", 32);
+  const long ctx = args.get_int("decode-ctx", 64);
+  if (prompt < 1 || gen < 1 || ctx < 1) fail("--prompt, --gen and --decode-ctx must be positive");
+  const double bw_gb = args.get_float("bw-gb", 2.0);
+  double load0[3] = {0, 0, 0};
+  getloadavg(load0, 3);
+
+  // 1. The floors, before the model's pages compete for the caches.
+  const cpu::Isa isa = cpu::best_isa();
+  std::fprintf(out, "machine: %s, %d threads, load average %.2f\n", cpu_model_name().c_str(), pool.size(), load0[0]);
+  const double bw = cpu::read_bandwidth_gbps(pool, size_t(bw_gb * 1e9));
+  const double peak = cpu::fma_peak_flops(pool, backend == "cpu" ? isa : cpu::Isa::kScalar);
+  const std::string arith = backend == "cpu" ? cpu::matrix_arith_name(isa) : "fp32 (ref: scalar loops)";
+  std::fprintf(out, "read bandwidth: %.1f GB/s (sum over %.1f GB); matrix peak: %.1f GFLOP/s of %s\n", bw, bw_gb,
+               peak / 1e9, arith.c_str());
+
+  // 2. The model.
+  auto ck = Checkpoint::open(args.require("model"), args.get("config"));
+  bool locked = false;
+  if (args.has("mlock")) {
+    locked = ck->lock_memory();
+    if (!locked) std::fprintf(out, "warning: mlock refused (%s); weights stay pageable\n", std::strerror(errno));
+  }
+  const ModelArgs a = ck->args();
+  const int max_b = *std::max_element(batches.begin(), batches.end());
+  ModelOptions opt;
+  opt.attn = args.get("attn", "absorb") == "naive" ? AttnImpl::kNaive : AttnImpl::kAbsorb;
+  opt.max_slots = max_b;
+  opt.max_len = int(std::min<long>(a.max_seq_len, std::max(prompt, ctx + gen)));
+  opt.kv_cache_gb = args.get_float("kv-cache-gb", 0);
+  const double t_load = now();
+  Model model(std::move(ck), make_backend(backend), opt);
+  const ModelWeights& w = model.weights();
+  const WeightStats st = weight_stats(a, w);
+  // Bytes of one routed expert (all MoE layers' experts have the same shapes).
+  int64_t expert_bytes = 0, n_moe = 0;
+  for (const LayerWeights& L : w.layers)
+    if (L.moe) {
+      ++n_moe;
+      if (!expert_bytes)
+        for (const Linear* l : {&L.moe_w.experts[0].w1, &L.moe_w.experts[0].w2, &L.moe_w.experts[0].w3})
+          expert_bytes += int64_t(l->weight.nbytes() + (l->scale.empty() ? 0 : l->scale.nbytes()));
+    }
+  const int64_t fixed_bytes = st.decode_bytes_per_token - n_moe * a.n_activated_experts * expert_bytes;
+  // Page every weight in once (from the page cache or disk), so timings see resident weights.
+  int64_t total_bytes = 0;
+  {
+    volatile uint8_t sink = 0;
+    auto touch = [&](const TensorView& t) {
+      if (t.empty()) return;
+      const uint8_t* p = static_cast<const uint8_t*>(t.data);
+      for (size_t i = 0; i < t.nbytes(); i += 4096) sink = sink + p[i];
+      total_bytes += int64_t(t.nbytes());
+    };
+    auto touch_lin = [&](const Linear& l) { touch(l.weight), touch(l.scale); };
+    auto touch_mlp = [&](const MLPWeights& m) { touch_lin(m.w1), touch_lin(m.w2), touch_lin(m.w3); };
+    touch(w.embed), touch(w.norm), touch_lin(w.head);
+    for (const LayerWeights& L : w.layers) {
+      touch(L.attn_norm), touch(L.ffn_norm), touch(L.attn.q_norm), touch(L.attn.kv_norm);
+      for (const Linear* l : {&L.attn.wq, &L.attn.wq_a, &L.attn.wq_b, &L.attn.wkv_a, &L.attn.wkv_b, &L.attn.wo}) touch_lin(*l);
+      if (!L.moe) {
+        touch_mlp(L.ffn);
+        continue;
+      }
+      touch(L.moe_w.gate), touch(L.moe_w.bias);
+      for (const MLPWeights& e : L.moe_w.experts) touch_mlp(e);
+      if (L.moe_w.has_shared) touch_mlp(L.moe_w.shared_experts);
+    }
+  }
+  std::fprintf(out, "model: %s, %d layers, %.2f GB of weights (paged in %.1f s)%s; decode reads %.3f GB/token at batch 1\n",
+               args.require("model").c_str(), a.n_layers, double(total_bytes) / 1e9, now() - t_load,
+               locked ? ", mlocked" : "", double(st.decode_bytes_per_token) / 1e9);
+
+  std::mt19937 rng(uint32_t(args.get_int("seed", 1)));
+  std::uniform_int_distribution<int> tok(0, a.vocab_size - 1);
+  const int V = a.vocab_size;
+
+  // 3. Prefill: one sequence of `prompt` tokens from position 0; time to first token.
+  if (prompt > model.max_len()) fail("--prompt ", prompt, " exceeds the cache's ", model.max_len(), " positions");
+  std::vector<int32_t> ptoks(static_cast<size_t>(prompt));
+  for (auto& t : ptoks) t = tok(rng);
+  std::vector<float> logits(static_cast<size_t>(max_b) * V);
+  const double t0 = now();
+  model.forward(ptoks.data(), 1, int(prompt), 0, logits.data());
+  const double ttft = now() - t0;
+  const double pflops = prefill_flops(a, prompt);
+  std::fprintf(out, "prefill: %ld tokens in %.2f s = %.1f tok/s (time to first token %.2f s); %.1f GFLOP/s = %.0f%% of the matrix peak\n",
+               prompt, ttft, double(prompt) / ttft, ttft, pflops / ttft / 1e9, 100 * pflops / ttft / peak);
+
+  // 4. Decode at each batch size: prefill `ctx` tokens per row (not timed), then `gen` steps.
+  nlohmann::json dec = nlohmann::json::array();
+  for (int B : batches) {
+    if (ctx + gen > model.max_len()) fail("--decode-ctx + --gen = ", ctx + gen, " exceeds the cache's ", model.max_len(), " positions");
+    std::vector<int32_t> ctoks(static_cast<size_t>(B) * size_t(ctx));
+    for (auto& t : ctoks) t = tok(rng);
+    model.forward(ctoks.data(), B, int(ctx), 0, logits.data());
+    std::vector<int32_t> next(static_cast<size_t>(B));
+    for (int b = 0; b < B; ++b) next[size_t(b)] = argmax_row(logits.data() + size_t(b) * V, V);
+    model.backend().reset_counters();
+    const double d0 = now();
+    for (long s = 0; s < gen; ++s) {
+      model.forward(next.data(), B, 1, int(ctx + s), logits.data());
+      for (int b = 0; b < B; ++b) next[size_t(b)] = argmax_row(logits.data() + size_t(b) * V, V);
+    }
+    const double secs = now() - d0;
+    const int64_t run = model.backend().routed_experts_run();
+    const bool measured = run >= 0;
+    const double E = a.n_routed_experts, K = a.n_activated_experts;
+    const double experts_per_layer =
+        measured ? double(run) / double(gen) / double(std::max<int64_t>(1, n_moe)) : E * (1 - std::pow(1 - K / E, B));
+    const double kv_bytes = double(B) * (double(ctx) + double(gen) / 2) * double(kv_cache_bytes_per_position(a, opt.attn));
+    const double bytes = double(fixed_bytes) + experts_per_layer * double(n_moe) * double(expert_bytes) + kv_bytes;
+    const double tok_s = double(B) * double(gen) / secs;
+    const double floor_tok_s = double(B) / (bytes / (bw * 1e9));
+    std::fprintf(out,
+                 "decode batch %d: %.2f tok/s (%.1f ms/step); reads %.3f GB/step (%.1f experts/layer %s) -> floor %.2f tok/s; "
+                 "%.0f%% of the bandwidth floor\n",
+                 B, tok_s, 1e3 * secs / double(gen), bytes / 1e9, experts_per_layer, measured ? "measured" : "estimated",
+                 floor_tok_s, 100 * tok_s / floor_tok_s);
+    dec.push_back({{"batch", B},
+                   {"steps", gen},
+                   {"context", ctx},
+                   {"tok_s", tok_s},
+                   {"step_ms", 1e3 * secs / double(gen)},
+                   {"bytes_per_step", bytes},
+                   {"routed_experts_per_layer", experts_per_layer},
+                   {"experts", measured ? "measured from routing" : "estimated (uniform routing)"},
+                   {"floor_tok_s", floor_tok_s},
+                   {"fraction_of_floor", tok_s / floor_tok_s}});
+  }
+  struct rusage ru;
+  getrusage(RUSAGE_SELF, &ru);
+  const int64_t peak_rss = int64_t(ru.ru_maxrss) * 1024, anon = proc_status_kb("RssAnon:") * 1024,
+                file = proc_status_kb("RssFile:") * 1024;
+  double load1[3] = {0, 0, 0};
+  getloadavg(load1, 3);
+  std::fprintf(out, "memory: peak RSS %.2f GB (now: %.2f GB file-backed weights, %.2f GB anonymous); KV cache sized %.3f GB\n",
+               double(peak_rss) / 1e9, double(file) / 1e9, double(anon) / 1e9, double(model.kv_cache_bytes()) / 1e9);
+  std::fprintf(out, "load average: %.2f at start, %.2f at end (2 cores are shared: numbers are noisy when it is high)\n",
+               load0[0], load1[0]);
+  if (json) {
+    nlohmann::json j = {{"model", args.require("model")},
+                        {"backend", backend},
+                        {"isa", backend == "cpu" ? cpu::isa_name(isa) : "n/a"},
+                        {"machine", cpu_model_name()},
+                        {"threads", pool.size()},
+                        {"load_average", {load0[0], load1[0]}},
+                        {"read_bandwidth_GBps", bw},
+                        {"matrix_peak_GFLOPs", peak / 1e9},
+                        {"matrix_arithmetic", arith},
+                        {"weights_bytes", total_bytes},
+                        {"decode_bytes_per_token_batch1", st.decode_bytes_per_token},
+                        {"prefill",
+                         {{"tokens", prompt},
+                          {"seconds", ttft},
+                          {"tok_s", double(prompt) / ttft},
+                          {"ttft_s", ttft},
+                          {"gflop", pflops / 1e9},
+                          {"gflops", pflops / ttft / 1e9},
+                          {"fraction_of_peak", pflops / ttft / peak}}},
+                        {"decode", dec},
+                        {"peak_rss_bytes", peak_rss},
+                        {"rss_file_bytes", file},
+                        {"rss_anon_bytes", anon},
+                        {"kv_cache_bytes", model.kv_cache_bytes()},
+                        {"mlocked", locked}};
+    std::printf("%s\n", j.dump().c_str());
+  }
+  return 0;
+}
+
+}  // namespace
+
+DSV3_COMMAND(bench,
+             "--model DIR [--backend cpu|ref] [--batch 1,8,32] [--prompt 512] [--gen 32] [--decode-ctx 64] [--threads N] "
+             "[--kv-cache-gb G] [--mlock] [--json]: prefill and decode speed beside the measured bandwidth and matrix floors",
+             run_bench);
+
+}  // namespace dsv3
