@@ -11,7 +11,8 @@ namespace dsv3 {
 
 using json = nlohmann::json;
 
-std::string hf_to_ref_name(const std::string& hf) {
+// convert.py's word mapping, Hugging Face word -> reference word; ref_to_hf_name inverts it.
+static const std::map<std::string, std::string>& hf_words() {
   static const std::map<std::string, std::string> kWords = {
       {"embed_tokens", "embed"},     {"input_layernorm", "attn_norm"},
       {"post_attention_layernorm", "ffn_norm"}, {"q_proj", "wq"},
@@ -23,13 +24,16 @@ std::string hf_to_ref_name(const std::string& hf) {
       {"lm_head", "head"},           {"self_attn", "attn"},
       {"mlp", "ffn"},                {"weight_scale_inv", "scale"},
       {"e_score_correction_bias", "bias"}};
-  std::string name = hf;
-  if (name.rfind("model.", 0) == 0) name = name.substr(6);
+  return kWords;
+}
+
+// Applies `words` to each dot-separated word of `name`.
+static std::string map_words(const std::string& name, const std::map<std::string, std::string>& words) {
   std::string out, word;
   auto flush = [&] {
-    auto it = kWords.find(word);
+    auto it = words.find(word);
     if (!out.empty()) out += '.';
-    out += it == kWords.end() ? word : it->second;
+    out += it == words.end() ? word : it->second;
     word.clear();
   };
   for (char c : name) {
@@ -38,6 +42,23 @@ std::string hf_to_ref_name(const std::string& hf) {
   }
   flush();
   return out;
+}
+
+std::string hf_to_ref_name(const std::string& hf) {
+  std::string name = hf;
+  if (name.rfind("model.", 0) == 0) name = name.substr(6);
+  return map_words(name, hf_words());
+}
+
+std::string ref_to_hf_name(const std::string& ref) {
+  static const std::map<std::string, std::string> kInverse = [] {
+    std::map<std::string, std::string> inv;
+    for (auto& [hf, r] : hf_words()) inv[r] = hf;
+    return inv;
+  }();
+  std::string hf = map_words(ref, kInverse);
+  // Everything but the output head lives under "model." (lm_head.weight is top level).
+  return hf.rfind("lm_head.", 0) == 0 ? hf : "model." + hf;
 }
 
 static std::vector<std::string> list_dir(const std::string& dir) {

@@ -18,6 +18,9 @@ namespace dsv3 {
 // "model.layers.3.self_attn.q_a_proj.weight_scale_inv" -> "layers.3.attn.wq_a.scale".
 // Names without a mapping keep their shape of words ("model." dropped).
 std::string hf_to_ref_name(const std::string& hf_name);
+// The inverse over every name of a weight manifest: "layers.3.attn.wq_a.scale" ->
+// "model.layers.3.self_attn.q_a_proj.weight_scale_inv", "head.weight" -> "lm_head.weight".
+std::string ref_to_hf_name(const std::string& ref_name);
 
 class Checkpoint {
  public:
