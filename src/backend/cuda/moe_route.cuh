@@ -31,29 +31,33 @@ __device__ void route_token_warp(const RouteArgs& ra, const float* __restrict__ 
   const int E = s.E, K = s.K, Kt = s.K + s.S, G = ra.G, per = E / G, lane = threadIdx.x & 31;
   constexpr int kPer = kMaxE / 32;  // experts per lane at most
   const float* lg = logits + i * E;  // read from L2: written by other blocks (fused gate)
+  // Scores in double, rounded once, as model/gate.cc (float32 versions differ by a few ulps,
+  // which can flip a near-tie).
   float v[kPer];
-  float mx = -INFINITY;
+  double mx = -INFINITY;
 #pragma unroll
   for (int j = 0; j < kPer; ++j) {
     const int e = lane + 32 * j;
     v[j] = e < E ? __ldcg(lg + e) : -INFINITY;
-    mx = fmaxf(mx, v[j]);
+    mx = fmax(mx, double(v[j]));
   }
   if (!ra.sigmoid) {
-    mx = warp_max(mx);
-    float sum = 0.f;
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) mx = fmax(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+    double ex[kPer], sum = 0.0;
 #pragma unroll
     for (int j = 0; j < kPer; ++j) {
       const int e = lane + 32 * j;
-      v[j] = e < E ? expf(v[j] - mx) : 0.f;
-      sum += v[j];
+      ex[j] = e < E ? exp(double(v[j]) - mx) : 0.0;
+      sum += ex[j];
     }
-    sum = warp_sum(sum);
 #pragma unroll
-    for (int j = 0; j < kPer; ++j) v[j] /= sum;
+    for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
+#pragma unroll
+    for (int j = 0; j < kPer; ++j) v[j] = float(ex[j] / sum);
   } else {
 #pragma unroll
-    for (int j = 0; j < kPer; ++j) v[j] = 1.f / (1.f + expf(-v[j]));
+    for (int j = 0; j < kPer; ++j) v[j] = float(1.0 / (1.0 + exp(-double(v[j]))));
   }
 #pragma unroll
   for (int j = 0; j < kPer; ++j) {
