@@ -20,6 +20,10 @@ struct Param {
   AttnImpl attn;
 };
 
+void PrintTo(const Param& p, std::ostream* os) {
+  *os << p.name << (p.attn == AttnImpl::kAbsorb ? " absorb" : " naive");
+}
+
 std::string param_name(const ::testing::TestParamInfo<Param>& p) {
   return p.param.name + (p.param.attn == AttnImpl::kAbsorb ? "_absorb" : "_naive");
 }

@@ -272,6 +272,8 @@ const char* kShapeB = R"({"vocab_size": 333, "hidden_size": 264, "intermediate_s
   "rms_norm_eps": 1e-6, "max_position_embeddings": 48,
   "quantization_config": {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128]}})";
 
+void PrintTo(const Shape& s, std::ostream* os) { *os << s.name; }
+
 class Shapes : public ::testing::TestWithParam<Shape> {};
 
 TEST_P(Shapes, MatchTheDoublePrecisionOracle) {
