@@ -340,11 +340,19 @@ std::string error_of(const std::function<void()>& f) {
   return "";
 }
 
+// A file name in this process's scratch folder, which is removed when the tests end.
 std::string temp_path(const std::string& name) {
+  struct Scratch {
+    fs::path dir = fs::temp_directory_path() / ("dsv3_chat_template_test_" + std::to_string(getpid()));
+    ~Scratch() {
+      std::error_code ec;
+      fs::remove_all(dir, ec);
+    }
+  };
+  static Scratch scratch;
   static int counter = 0;
-  fs::path dir = fs::temp_directory_path() / ("dsv3_chat_template_test_" + std::to_string(getpid()));
-  fs::create_directories(dir);
-  return (dir / (std::to_string(counter++) + "_" + name)).string();
+  fs::create_directories(scratch.dir);
+  return (scratch.dir / (std::to_string(counter++) + "_" + name)).string();
 }
 void write_file(const std::string& path, const std::string& text) {
   std::ofstream f(path, std::ios::binary);
