@@ -253,8 +253,8 @@ class CpuBackend final : public Backend {
         const TileItem& ti = items_[size_t(it)];
         const ExpertJob& job = jobs_[size_t(ti.job)];
         const int64_t m = int64_t(job.rows.size());
-        float* h1 = s.get<float>(5, size_t(m * ti.nr));
-        float* h3 = s.get<float>(6, size_t(m * ti.nr));
+        float* h1 = s.get<float>(8, size_t(m * ti.nr));
+        float* h3 = s.get<float>(9, size_t(m * ti.nr));
         k_.matmul(job.x, m, D, job.w->w1, ti.r0, ti.nr, h1, ti.nr, s);
         k_.matmul(job.x, m, D, job.w->w3, ti.r0, ti.nr, h3, ti.nr, s);
         for (int64_t r = 0; r < m; ++r)
@@ -269,7 +269,7 @@ class CpuBackend final : public Backend {
       for (int j = 0; j < njobs; ++j) {
         const ExpertJob& job = jobs_[size_t(j)];
         const int64_t m = int64_t(job.rows.size());
-        float* tmp = s.get<float>(5, size_t(m * nd));
+        float* tmp = s.get<float>(8, size_t(m * nd));
         k_.matmul(job.h, m, job.inter, job.w->w2, d0, nd, tmp, nd, s);
         for (int64_t r = 0; r < m; ++r) k_.axpy(job.wts[size_t(r)], tmp + r * nd, nd, y + job.rows[size_t(r)] * D + d0);
       }
@@ -314,8 +314,8 @@ class CpuBackend final : public Backend {
         const int64_t i = it / groups, h0 = (it % groups) * G, len = tp[i].pos + 1;
         const float* kvc = cache.kv + int64_t(tp[i].slot) * max_len * C;
         const float* pec = cache.pe + int64_t(tp[i].slot) * max_len * R;
-        float* sc = s.get<float>(5, size_t(G * len));
-        float* sp = s.get<float>(6, size_t(G * len));
+        float* sc = s.get<float>(8, size_t(G * len));
+        float* sp = s.get<float>(9, size_t(G * len));
         k_.gemm_nt_f32(qa + (i * H + h0) * C, C, kvc, C, G, len, C, scale, sc, len);
         k_.gemm_nt_f32(q + (i * H + h0) * qk + nope, qk, pec, R, G, len, R, scale, sp, len);
         for (int64_t g = 0; g < G; ++g) {
@@ -352,7 +352,7 @@ class CpuBackend final : public Backend {
 std::unique_ptr<Backend> make_cpu_backend(const std::string& isa, ThreadPool* pool) {
   Isa i = cpu::best_isa();
   if (!isa.empty()) {
-    if (!cpu::parse_isa(isa, &i)) fail("unknown cpu ISA '", isa, "' (scalar, avx2, avx512)");
+    if (!cpu::parse_isa(isa, &i)) fail("unknown cpu ISA '", isa, "' (scalar, avx2, avx512, amx)");
     if (!cpu::isa_supported(i)) fail("this CPU does not support ", isa, " (it has: ", cpu::supported_isas(), ")");
   }
   return std::make_unique<CpuBackend>(i, pool);

@@ -14,12 +14,13 @@ const char* isa_name(Isa isa) {
     case Isa::kScalar: return "scalar";
     case Isa::kAvx2: return "avx2";
     case Isa::kAvx512: return "avx512";
+    case Isa::kAmx: return "amx";
   }
   return "?";
 }
 
 bool parse_isa(const std::string& s, Isa* out) {
-  for (Isa i : {Isa::kScalar, Isa::kAvx2, Isa::kAvx512})
+  for (Isa i : {Isa::kScalar, Isa::kAvx2, Isa::kAvx512, Isa::kAmx})
     if (s == isa_name(i)) {
       *out = i;
       return true;
@@ -27,12 +28,14 @@ bool parse_isa(const std::string& s, Isa* out) {
   return false;
 }
 
+bool amx_request_permission();  // kernels_amx.cc
+
 namespace {
 
 // CPUID and XGETBV directly (the compilers' __builtin_cpu_supports do not all know BF16/GFNI):
 // a feature counts only when the OS also saves its registers (XCR0).
 struct Features {
-  bool avx2 = false, avx512 = false;
+  bool avx2 = false, avx512 = false, amx = false;
   Features() {
     unsigned a, b, c, d;
     if (!__get_cpuid(1, &a, &b, &c, &d)) return;
@@ -51,6 +54,8 @@ struct Features {
     const bool bf16 = a1 & (1u << 5);
     avx2 = avx2_ && fma && f16c && bmi1 && bmi2;
     avx512 = avx2 && (xcr0 & 0xE6) == 0xE6 && f && dq && bw && vl && vbmi && gfni && bf16;
+    const bool amx_tile = d & (1u << 24), amx_bf16 = d & (1u << 22);
+    amx = avx512 && amx_tile && amx_bf16 && (xcr0 & (3ull << 17)) == (3ull << 17) && amx_request_permission();
   }
 };
 
@@ -66,17 +71,18 @@ bool isa_supported(Isa isa) {
     case Isa::kScalar: return true;
     case Isa::kAvx2: return features().avx2;
     case Isa::kAvx512: return features().avx512;
+    case Isa::kAmx: return features().amx;
   }
   return false;
 }
 
 Isa best_isa() {
   Isa best = Isa::kScalar;
-  for (Isa i : {Isa::kAvx2, Isa::kAvx512})
+  for (Isa i : {Isa::kAvx2, Isa::kAvx512, Isa::kAmx})
     if (isa_supported(i)) best = i;
   if (const char* env = std::getenv("DSV3_CPU_ISA"); env && *env) {
     Isa cap;
-    if (!parse_isa(env, &cap)) fail("DSV3_CPU_ISA must be scalar, avx2 or avx512, got '", env, "'");
+    if (!parse_isa(env, &cap)) fail("DSV3_CPU_ISA must be scalar, avx2, avx512 or amx, got '", env, "'");
     if (int(cap) < int(best)) best = cap;
   }
   return best;
@@ -84,7 +90,7 @@ Isa best_isa() {
 
 std::string supported_isas() {
   std::string s;
-  for (Isa i : {Isa::kScalar, Isa::kAvx2, Isa::kAvx512})
+  for (Isa i : {Isa::kScalar, Isa::kAvx2, Isa::kAvx512, Isa::kAmx})
     if (isa_supported(i)) s += (s.empty() ? "" : " ") + std::string(isa_name(i));
   return s;
 }

@@ -1,6 +1,6 @@
 // Which instruction sets this CPU offers the "cpu" backend, detected at run time
-// (__builtin_cpu_supports), so that one generic build runs everywhere and uses AVX-512 where
-// present. DSV3_CPU_ISA=scalar|avx2|avx512 caps the choice (tests and comparisons).
+// (CPUID/XGETBV, and for AMX the OS's permission), so that one generic build runs everywhere and
+// uses AVX-512 / AMX where present. DSV3_CPU_ISA=scalar|avx2|avx512|amx caps the choice.
 #pragma once
 #include <string>
 
@@ -9,7 +9,8 @@ namespace dsv3::cpu {
 enum class Isa {
   kScalar = 0,  // plain C++ (the compiler's baseline vectorisation)
   kAvx2 = 1,    // AVX2 + FMA + F16C: float32 arithmetic
-  kAvx512 = 2,  // AVX-512 F/BW/VL/DQ + BF16 + VBMI + GFNI: bf16 dot products, float32 accumulation
+  kAvx512 = 2,  // AVX-512 F/BW/VL/DQ + BF16 + VBMI + GFNI: weights widened in registers, float32 FMA
+  kAmx = 3,     // kAvx512 + AMX-BF16 tiles for FP8/bf16 products (activations as bf16 hi + lo)
 };
 
 const char* isa_name(Isa isa);

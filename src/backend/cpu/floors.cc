@@ -61,8 +61,22 @@ double fma_peak_flops(ThreadPool& pool, Isa isa) {
   return total;
 }
 
+double matrix_peak_flops(ThreadPool& pool, Isa isa) {
+  if (isa != Isa::kAmx) return fma_peak_flops(pool, isa);
+  const int threads = pool.size();
+  std::vector<double> rate(size_t(threads), 0);
+  for (int rep = 0; rep < 2; ++rep)
+    pool.parallel_for(threads, [&](int64_t b, int64_t e, int) {
+      for (int64_t t = b; t < e; ++t) rate[size_t(t)] = amx_peak_1thread(2'000'000);
+    });
+  double total = 0;
+  for (double r : rate) total += r;
+  return total;
+}
+
 std::string matrix_arith_name(Isa isa) {
   switch (isa) {
+    case Isa::kAmx: return "AMX bf16 tiles (activations as bf16 hi + lo, float32 accumulation)";
     case Isa::kAvx512: return "fp32 FMA (AVX-512, FP8/bf16 weights widened in registers)";
     case Isa::kAvx2: return "fp32 FMA (AVX2)";
     default: return "fp32 (scalar C++)";

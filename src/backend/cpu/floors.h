@@ -19,6 +19,8 @@ double read_bandwidth_gbps(ThreadPool& pool, size_t bytes, int reps = 3);
 
 // Peak float32 FMA rate of all the pool's threads, FLOP/s (2 per FMA lane).
 double fma_peak_flops(ThreadPool& pool, Isa isa);
+// Peak of the arithmetic `isa`'s large products use: AMX bf16 tile rate for kAmx, else FMA.
+double matrix_peak_flops(ThreadPool& pool, Isa isa);
 
 // What the cpu backend's large products compute with, for reports ("fp32 FMA (AVX-512)").
 std::string matrix_arith_name(Isa isa);

@@ -132,6 +132,7 @@ const Kernels kScalarKernels = {Isa::kScalar,  matmul_scalar,   matmul_t_scalar,
 const Kernels& kernels(Isa isa) {
   DSV3_CHECK(isa_supported(isa), "ISA ", isa_name(isa), " is not supported on this CPU");
   switch (isa) {
+    case Isa::kAmx: return kAmxKernels;
     case Isa::kAvx512: return kAvx512Kernels;
     case Isa::kAvx2: return kAvx2Kernels;
     default: return kScalarKernels;
@@ -139,7 +140,6 @@ const Kernels& kernels(Isa isa) {
 }
 
 // Microbenchmark loops (kernels_avx512.cc / kernels_avx2.cc).
-double dp_peak_avx512(long iters);
 double fma_peak_avx512(long iters);
 float read_sum_avx512(const float* p, int64_t n);
 double fma_peak_avx2(long iters);
@@ -155,13 +155,9 @@ double timed(F f) {
 }
 }  // namespace
 
-double matrix_peak_flops_1thread(Isa isa, long iters) {
-  if (isa == Isa::kAvx512) return double(iters) * 24 * 64 / timed([&] { return dp_peak_avx512(iters); });
-  return fma_f32_peak_flops_1thread(isa, iters);
-}
-
 double fma_f32_peak_flops_1thread(Isa isa, long iters) {
-  if (isa == Isa::kAvx512) return double(iters) * 24 * 32 / timed([&] { return fma_peak_avx512(iters); });
+  if (isa == Isa::kAvx512 || isa == Isa::kAmx)
+    return double(iters) * 24 * 32 / timed([&] { return fma_peak_avx512(iters); });
   if (isa == Isa::kAvx2) return double(iters) * 12 * 16 / timed([&] { return fma_peak_avx2(iters); });
   // Scalar: what the compiler makes of a plain multiply-add loop (8 independent chains).
   return double(iters) * 8 * 2 / timed([&] {
@@ -175,7 +171,7 @@ double fma_f32_peak_flops_1thread(Isa isa, long iters) {
 }
 
 float read_sum(Isa isa, const float* p, int64_t n) {
-  if (isa == Isa::kAvx512) return read_sum_avx512(p, n);
+  if (isa == Isa::kAvx512 || isa == Isa::kAmx) return read_sum_avx512(p, n);
   if (isa == Isa::kAvx2) return read_sum_avx2(p, n);
   float s = 0;
   for (int64_t i = 0; i < n; ++i) s += p[i];

@@ -22,7 +22,7 @@ class Scratch {
   void* get(int i, size_t bytes);
   template <class T>
   T* get(int i, size_t n) { return static_cast<T*>(get(i, n * sizeof(T))); }
-  static constexpr int kSlots = 8;  // kernels use 0-4, the backend 5-7
+  static constexpr int kSlots = 12;  // kernels use 0-7, the backend 8-11
 
  private:
   void* p_[kSlots] = {};
@@ -65,12 +65,13 @@ const Kernels& kernels(Isa isa);
 extern const Kernels kScalarKernels;
 extern const Kernels kAvx2Kernels;
 extern const Kernels kAvx512Kernels;
+extern const Kernels kAmxKernels;
 
-// Microbenchmarks for `dsv3 bench`: the peak of the arithmetic the cpu backend uses for large
-// matrix products (AVX-512: vdpbf16ps; AVX2: fp32 FMA), one thread, in FLOP/s, measured with a
-// register-blocked loop of `iters` iterations; and a STREAM-style read of n floats.
-double matrix_peak_flops_1thread(Isa isa, long iters);
+// Microbenchmarks for `dsv3 bench`: peaks of the arithmetic the cpu backend uses for large matrix
+// products (float32 FMA; AMX bf16 tiles), one thread, FLOP/s, from register-blocked loops of
+// `iters` iterations; and a STREAM-style read of n floats.
 double fma_f32_peak_flops_1thread(Isa isa, long iters);
+double amx_peak_1thread(long iters);  // AMX bf16 tile products (Isa::kAmx only)
 float read_sum(Isa isa, const float* p, int64_t n);
 
 }  // namespace dsv3::cpu

@@ -613,19 +613,6 @@ DSV3_AVX512 void softmax_avx512(float* x, int64_t n) {
 }  // namespace
 
 // --- peaks for dsv3 bench ------------------------------------------------------------------------------
-DSV3_AVX512 double dp_peak_avx512(long iters) {
-  __m512 acc[24];
-  for (int i = 0; i < 24; ++i) acc[i] = _mm512_setzero_ps();
-  __m512i a = _mm512_set1_epi16(0x3f80), b = _mm512_set1_epi16(0x3f81);
-  for (long it = 0; it < iters; ++it) {
-    for (int i = 0; i < 24; ++i) acc[i] = _mm512_dpbf16_ps(acc[i], (__m512bh)a, (__m512bh)b);
-    __asm__ volatile("" : "+v"(a), "+v"(b));
-  }
-  __m512 s = acc[0];
-  for (int i = 1; i < 24; ++i) s = _mm512_add_ps(s, acc[i]);
-  return hsum(s);
-}
-
 DSV3_AVX512 double fma_peak_avx512(long iters) {
   __m512 acc[24];
   for (int i = 0; i < 24; ++i) acc[i] = _mm512_setzero_ps();
@@ -652,6 +639,17 @@ DSV3_AVX512 float read_sum_avx512(const float* p, int64_t n) {
   for (; i < n; ++i) s += p[i];
   return s;
 }
+
+// The AVX-512 table with AMX tiles for FP8 / bf16 products (kernels_amx.cc).
+void matmul_amx(const float* x, int64_t M, int64_t ldx, const Linear& w, int64_t r0, int64_t nr, float* y, int64_t ldy,
+                Scratch& s);
+void matmul_avx512_entry(const float* x, int64_t M, int64_t ldx, const Linear& w, int64_t r0, int64_t nr, float* y,
+                         int64_t ldy, Scratch& s) {
+  matmul_avx512(x, M, ldx, w, r0, nr, y, ldy, s);
+}
+
+const Kernels kAmxKernels = {Isa::kAmx,     matmul_amx,      matmul_t_avx512, gemm_nt_f32_avx512, gemm_nn_acc_f32_avx512,
+                             rmsnorm_avx512, silu_mul_avx512, axpy_avx512,     softmax_avx512};
 
 const Kernels kAvx512Kernels = {Isa::kAvx512,   matmul_avx512,   matmul_t_avx512, gemm_nt_f32_avx512, gemm_nn_acc_f32_avx512,
                                 rmsnorm_avx512, silu_mul_avx512, axpy_avx512,     softmax_avx512};
