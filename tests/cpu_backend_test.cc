@@ -471,6 +471,7 @@ Bar bar(const std::string& c, AttnImpl attn) {
 struct GoldenParam {
   std::string name;
   AttnImpl attn;
+  cpu::Isa isa;
 };
 
 class CpuGolden : public ::testing::TestWithParam<GoldenParam> {};
@@ -481,7 +482,7 @@ TEST_P(CpuGolden, MeetsTheBf16Bar) {
   ModelOptions opt;
   opt.attn = p.attn;
   opt.max_slots = 4;
-  Model model(Checkpoint::open(case_dir(p.name) + "/hf"), make_cpu_backend(), opt);
+  Model model(Checkpoint::open(case_dir(p.name) + "/hf"), make_cpu_backend(cpu::isa_name(p.isa)), opt);
   const int V = model.args().vocab_size;
   std::vector<double> errs;
   int agree = 0;
@@ -512,20 +513,24 @@ TEST_P(CpuGolden, MeetsTheBf16Bar) {
   EXPECT_LE(mx, 1e-3) << p.name;
   EXPECT_EQ(agree, int(errs.size())) << p.name;
   std::printf("%s %s (%s): max %.2g median %.2g argmax %d/%zu (bf16 bar: %.3f / %.4f, %d)\n", p.name.c_str(),
-              p.attn == AttnImpl::kAbsorb ? "absorb" : "naive", cpu::isa_name(cpu::best_isa()), mx, median, agree,
+              p.attn == AttnImpl::kAbsorb ? "absorb" : "naive", cpu::isa_name(p.isa), mx, median, agree,
               errs.size(), b.max_err, b.median_err, b.argmax_ok);
 }
 
+// Every SIMD level this machine has (scalar is covered by the kernel tests).
 std::vector<GoldenParam> golden_params() {
   std::vector<GoldenParam> v;
-  for (auto& c : golden_cases())
-    for (auto a : {AttnImpl::kAbsorb, AttnImpl::kNaive}) v.push_back({c, a});
+  for (cpu::Isa isa : isas())
+    if (isa != cpu::Isa::kScalar)
+      for (auto& c : golden_cases())
+        for (auto a : {AttnImpl::kAbsorb, AttnImpl::kNaive}) v.push_back({c, a, isa});
   return v;
 }
 
 INSTANTIATE_TEST_SUITE_P(Cases, CpuGolden, ::testing::ValuesIn(golden_params()),
                          [](const ::testing::TestParamInfo<GoldenParam>& p) {
-                           return p.param.name + (p.param.attn == AttnImpl::kAbsorb ? "_absorb" : "_naive");
+                           return p.param.name + (p.param.attn == AttnImpl::kAbsorb ? "_absorb_" : "_naive_") +
+                                  cpu::isa_name(p.param.isa);
                          });
 
 }  // namespace

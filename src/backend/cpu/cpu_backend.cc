@@ -6,7 +6,10 @@
 #include <sys/mman.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
+#include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <map>
 #include <memory>
@@ -48,6 +51,31 @@ struct ExpertJob {
   int64_t inter = 0;
 };
 
+// DSV3_CPU_PROFILE=1: wall time per op kind, printed to stderr when the backend is destroyed.
+struct OpProfile {
+  bool on = false;
+  double t[8] = {};
+  int64_t calls[8] = {};
+  static constexpr const char* kNames[8] = {"linear", "mla", "moe", "mlp", "rmsnorm", "embed", "add", "other"};
+};
+
+class OpTimer {
+ public:
+  OpTimer(OpProfile& p, int k) : p_(p), k_(k) {
+    if (p_.on) t0_ = std::chrono::steady_clock::now();
+  }
+  ~OpTimer() {
+    if (!p_.on) return;
+    p_.t[k_] += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0_).count();
+    ++p_.calls[k_];
+  }
+
+ private:
+  OpProfile& p_;
+  int k_;
+  std::chrono::steady_clock::time_point t0_;
+};
+
 struct TileItem {
   int32_t job;
   int64_t r0, nr;
@@ -57,9 +85,21 @@ class CpuBackend final : public Backend {
  public:
   CpuBackend(Isa isa, ThreadPool* pool)
       : pool_(pool ? *pool : ThreadPool::global()), k_(cpu::kernels(isa)), f32k_(cpu::isa_supported(Isa::kAvx2) ? cpu::kAvx2Kernels : cpu::kScalarKernels),
-        ref_(make_ref_backend()) {}
+        ref_(make_ref_backend()) {
+    const char* e = std::getenv("DSV3_CPU_PROFILE");
+    prof_.on = e && *e && *e != '0';
+  }
   ~CpuBackend() override {
     for (auto& [p, n] : mapped_) ::munmap(p, n);
+    if (prof_.on) {
+      double total = 0;
+      for (double v : prof_.t) total += v;
+      std::fprintf(stderr, "cpu backend profile (%s, %d threads):\n", cpu::isa_name(k_.isa), pool_.size());
+      for (int i = 0; i < 8; ++i)
+        if (prof_.calls[i])
+          std::fprintf(stderr, "  %-8s %8.3f s %5.1f%%  %lld calls\n", OpProfile::kNames[i], prof_.t[i],
+                       100 * prof_.t[i] / std::max(total, 1e-12), (long long)prof_.calls[i]);
+    }
   }
 
   std::string name() const override { return "cpu"; }
@@ -93,12 +133,14 @@ class CpuBackend final : public Backend {
   void download(float* host, const float* src, size_t n) override { std::memcpy(host, src, n * 4); }
 
   void embed(const int32_t* tokens, int64_t n, const TensorView& table, float* y) override {
+    OpTimer tm(prof_, 5);
     const int64_t d = table.dim(1);
     for (int64_t i = 0; i < n; ++i) row_to_f32(table, tokens[i], d, y + i * d);
   }
 
   void rmsnorm(const float* x, int64_t n, int64_t d, int64_t stride, const TensorView& w, float eps,
                float* y) override {
+    OpTimer tm(prof_, 4);
     const float* wf = vec_f32(w, d, norm_w_);
     if (n * d < (1 << 16)) {
       k_.rmsnorm(x, stride, n, d, wf, eps, y, stride);
@@ -107,12 +149,19 @@ class CpuBackend final : public Backend {
     pool_.parallel_for(n, [&](int64_t b, int64_t e, int) { k_.rmsnorm(x + b * stride, stride, e - b, d, wf, eps, y + b * stride, stride); });
   }
 
-  void linear(const float* x, int64_t n, const Linear& w, float* y) override { linear_k(k_, x, n, w, y); }
+  void linear(const float* x, int64_t n, const Linear& w, float* y) override {
+    OpTimer tm(prof_, 0);
+    linear_k(k_, x, n, w, y);
+  }
 
-  void add(float* y, const float* x, int64_t n) override { k_.axpy(1.f, x, n, y); }
+  void add(float* y, const float* x, int64_t n) override {
+    OpTimer tm(prof_, 6);
+    k_.axpy(1.f, x, n, y);
+  }
 
   void mla(const ModelArgs& a, AttnImpl impl, const AttnWeights& w, const RopeTable& rope, const TokenPos* tp,
            int64_t n, float* q, float* kv, const LayerCache& cache, int64_t max_len, float* out) override {
+    OpTimer tm(prof_, 1);
     if (impl == AttnImpl::kNaive) {  // the full K/V cache form: the reference implementation
       ref_->mla(a, impl, w, rope, tp, n, q, kv, cache, max_len, out);
       return;
@@ -121,6 +170,7 @@ class CpuBackend final : public Backend {
   }
 
   void mlp(const MLPWeights& w, const float* x, int64_t n, float* y) override {
+    OpTimer tm(prof_, 3);
     jobs_.resize(1);
     ExpertJob& j = jobs_[0];
     j.w = &w;
@@ -133,6 +183,7 @@ class CpuBackend final : public Backend {
   }
 
   void moe(const ModelArgs& a, const MoEWeights& w, const float* x, int64_t n, float* y) override {
+    OpTimer tm(prof_, 2);
     const int64_t E = a.n_routed_experts, K = a.n_activated_experts, D = a.dim;
     // Router in float32 (as the reference's float32 path): routing decisions are sensitive.
     float* logits = gate_logits_.get(size_t(n * E));
@@ -193,7 +244,12 @@ class CpuBackend final : public Backend {
     while (int(scratch_.size()) <= t) scratch_.push_back(std::make_unique<Scratch>());
     return *scratch_[size_t(t)];
   }
-  void ensure_scratch() { scratch(pool_.size() - 1); }
+  // Every op starts here: makes sure each thread has its scratch and forgets packed activations
+  // (their buffers may hold new values now).
+  void ensure_scratch() {
+    scratch(pool_.size() - 1);
+    for (auto& sc : scratch_) sc->invalidate();
+  }
 
   static void row_to_f32(const TensorView& t, int64_t row, int64_t d, float* out) {
     if (t.dtype == DType::F32) {
@@ -266,6 +322,8 @@ class CpuBackend final : public Backend {
       Scratch& s = scratch(t);
       const int64_t d0 = b * tile, d1 = std::min(D, e * tile), nd = d1 - d0;
       for (int64_t i = 0; i < n; ++i) std::fill(y + i * D + d0, y + i * D + d1, 0.f);
+      // Expert outer, this thread's output rows inner: one call per expert, whose activations are
+      // packed once.
       for (int j = 0; j < njobs; ++j) {
         const ExpertJob& job = jobs_[size_t(j)];
         const int64_t m = int64_t(job.rows.size());
@@ -345,6 +403,7 @@ class CpuBackend final : public Backend {
   std::vector<ExpertJob> jobs_;
   std::vector<TileItem> items_;
   int64_t routed_run_ = 0;
+  OpProfile prof_;
 };
 
 }  // namespace

@@ -24,7 +24,21 @@ class Scratch {
   T* get(int i, size_t n) { return static_cast<T*>(get(i, n * sizeof(T))); }
   static constexpr int kSlots = 12;  // kernels use 0-7, the backend 8-11
 
+  // What slot 4 holds packed (kernels_amx.cc), so that a product over the same activations can
+  // skip packing them again. invalidate() whenever activation buffers may have changed.
+  struct PackKey {
+    const float* x = nullptr;
+    int64_t m = 0, ld = 0, k = 0;
+    int order = 0;
+    bool operator==(const PackKey&) const = default;
+  };
+  bool packed_is(const PackKey& k) const { return packed_valid_ && packed_ == k; }
+  void set_packed(const PackKey& k) { packed_ = k, packed_valid_ = true; }
+  void invalidate() { packed_valid_ = false; }
+
  private:
+  PackKey packed_;
+  bool packed_valid_ = false;
   void* p_[kSlots] = {};
   size_t n_[kSlots] = {};
 };

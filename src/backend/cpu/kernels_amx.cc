@@ -251,61 +251,115 @@ DSV3_AMX_INLINE void write_y(const float* acc, int64_t nrows, int64_t g, float* 
     for (int64_t m = 0; m < g; ++m) y[m * ldy + r] = acc[r * N + 2 * m] + acc[r * N + 2 * m + 1];
 }
 
-// Rows [r0, r0 + nr) x a group of g <= 8 tokens whose B is packed. The work is in row groups of up
-// to 64 rows (four C tiles) and 128-k blocks; the A tiles of a k block are converted once per row
-// group and reused by every token group (`groups` B buffers).
+// Four C tiles x one token group for one 128-k block (steps [s0, s1)): products with A tiles
+// from `a` ([tile][step][16][32]) and B from `bg`, alternating tile registers (A: 4/5, B: 6/7) so
+// that a load need not wait for the product still reading the register's previous contents.
+DSV3_AMX_INLINE void tdp_block(const uint16_t* a, const uint64_t* bg, int64_t g, int64_t s0, int64_t s1, int ntiles) {
+  const int N = int(2 * g);
+  for (int64_t st = s0; st < s1; ++st) {
+    const uint16_t* as = a + (st - s0) * 512;
+    const bool odd = (st - s0) & 1;
+    if (odd) _tile_loadd(7, bg + st * 16 * g, 4 * N);
+    else _tile_loadd(6, bg + st * 16 * g, 4 * N);
+    if (ntiles == 4) {
+      if (odd) {
+        _tile_loadd(4, as, 64);
+        _tile_dpbf16ps(0, 4, 7);
+        _tile_loadd(5, as + 2048, 64);
+        _tile_dpbf16ps(1, 5, 7);
+        _tile_loadd(4, as + 4096, 64);
+        _tile_dpbf16ps(2, 4, 7);
+        _tile_loadd(5, as + 6144, 64);
+        _tile_dpbf16ps(3, 5, 7);
+      } else {
+        _tile_loadd(4, as, 64);
+        _tile_dpbf16ps(0, 4, 6);
+        _tile_loadd(5, as + 2048, 64);
+        _tile_dpbf16ps(1, 5, 6);
+        _tile_loadd(4, as + 4096, 64);
+        _tile_dpbf16ps(2, 4, 6);
+        _tile_loadd(5, as + 6144, 64);
+        _tile_dpbf16ps(3, 5, 6);
+      }
+    } else {
+      for (int t = 0; t < ntiles; ++t) {
+        _tile_loadd(4, as + t * 2048, 64);
+        if (odd) {
+          switch (t) {
+            case 0: _tile_dpbf16ps(0, 4, 7); break;
+            case 1: _tile_dpbf16ps(1, 4, 7); break;
+            default: _tile_dpbf16ps(2, 4, 7); break;
+          }
+        } else {
+          dp_tile(t);
+        }
+      }
+    }
+  }
+}
+
+// Rows [r0, r0 + nr) for the token groups whose B is packed (bufs[g], gsize[g] <= 8 tokens). Row
+// groups of 64 (four C tiles) x 128-k blocks: the block's A tiles are converted once, one block
+// ahead of the products that read them (double buffer: the vector stores have landed by then),
+// and shared by every token group. Each block's partial sums leave the tiles and are scaled into
+// float32 accumulators (the FP8 scale of (row block, k block)); the tile unit does the rest.
 template <bool kFp8>
 DSV3_AMX void rows_amx(const Linear& wl, int64_t r0, int64_t nr, const uint64_t* const* bufs, const int64_t* gsize,
                        int ngroups, float* y, int64_t ldy, Scratch& s) {
   const int64_t K = wl.in();
   const int64_t steps = kFp8 ? 2 * ((K + 63) / 64) : (K + 31) / 32;
-  const int64_t kblocks = (K + kBlock - 1) / kBlock, steps_per_kb = 4;
+  const int64_t kblocks = (K + kBlock - 1) / kBlock;
   const Fp8Consts cst = fp8_consts();
-  // A tiles of one k block for four row tiles: [tile][step in block][16][32] bf16.
-  uint16_t* abuf = static_cast<uint16_t*>(s.get(5, 4 * steps_per_kb * 1024));
-  float* cbuf = static_cast<float*>(s.get(6, 16 * 16 * 4));
+  // A tiles of one k block for four row tiles: [parity][tile][4 steps][16][32] bf16.
+  uint16_t* abuf = static_cast<uint16_t*>(s.get(5, 2 * 4 * 4 * 1024));
+  float* cbuf = static_cast<float*>(s.get(6, 4 * 256 * 4));
   float* acc = static_cast<float*>(s.get(7, size_t(ngroups) * 4 * 256 * 4));
   alignas(64) float scale16[16];
   for (int64_t rg = 0; rg < nr; rg += 64) {
     const int64_t rows = std::min<int64_t>(64, nr - rg), ntiles = (rows + 15) / 16;
     std::memset(acc, 0, size_t(ngroups) * 4 * 256 * 4);
-    for (int64_t kb = 0; kb < kblocks; ++kb) {
-      const int64_t s0 = kb * steps_per_kb, s1 = std::min(steps, s0 + steps_per_kb);
-      // Convert (or copy) this k block's A tiles.
+    auto convert = [&](int64_t kb) DSV3_AMX {
+      const int64_t s0 = 4 * kb, s1 = std::min(steps, s0 + 4);
+      uint16_t* dst = abuf + (kb & 1) * 4 * 4 * 512;
       for (int64_t t = 0; t < ntiles; ++t) {
         const int64_t tr = std::min<int64_t>(16, rows - 16 * t), row = r0 + rg + 16 * t;
         for (int64_t st = s0; st < s1; ++st) {
-          uint16_t* a = abuf + (t * steps_per_kb + (st - s0)) * 512;
+          uint16_t* a = dst + (t * 4 + (st - s0)) * 512;
           if (kFp8) {
-            if ((st & 1) == 0) fp8_a_tiles<false>(wl.weight.as<uint8_t>() + row * K, K, tr, K, st / 2, cst, a);
+            if ((st & 1) == 0) {
+              const uint8_t* w = wl.weight.as<uint8_t>() + row * K;
+              if (tr == 16 && 64 * (st / 2 + 1) <= K) fp8_a_tiles<true>(w, K, 16, K, st / 2, cst, a);
+              else fp8_a_tiles<false>(w, K, tr, K, st / 2, cst, a);
+            }
           } else {
             bf16_a_tile(wl.weight.as<uint16_t>() + row * K, K, tr, K, st, a);
           }
         }
       }
+    };
+    convert(0);
+    for (int64_t kb = 0; kb < kblocks; ++kb) {
+      if (kb + 1 < kblocks) convert(kb + 1);
+      const int64_t s0 = 4 * kb, s1 = std::min(steps, s0 + 4);
+      const uint16_t* a = abuf + (kb & 1) * 4 * 4 * 512;
       for (int g = 0; g < ngroups; ++g) {
         const int N = int(2 * gsize[g]);
         configure(N);
         zero_tiles(int(ntiles));
-        for (int64_t st = s0; st < s1; ++st) {
-          _tile_loadd(6, bufs[g] + st * 16 * gsize[g], 4 * N);
-          for (int64_t t = 0; t < ntiles; ++t) {
-            _tile_loadd(4, abuf + (t * steps_per_kb + (st - s0)) * 512, 64);
-            dp_tile(int(t));
-          }
-        }
+        tdp_block(a, bufs[g], gsize[g], s0, s1, int(ntiles));
         for (int64_t t = 0; t < ntiles; ++t) {
-          store_tile(int(t), cbuf, N);
+          store_tile(int(t), cbuf + t * 256, N);
           const int64_t row = r0 + rg + 16 * t, last = row + std::min<int64_t>(16, rows - 16 * t) - 1;
           float* at = acc + (g * 4 + t) * 256;
+          const float* ct = cbuf + t * 256;
           if (!kFp8 || row / kBlock == last / kBlock) {  // one scale for the whole tile
             const __m512 sv = _mm512_set1_ps(kFp8 ? wl.scale.as<float>()[(row / kBlock) * kblocks + kb] * 256.f : 1.f);
             for (int v = 0; v < N; ++v)
-              _mm512_storeu_ps(at + 16 * v, _mm512_fmadd_ps(sv, _mm512_loadu_ps(cbuf + 16 * v), _mm512_loadu_ps(at + 16 * v)));
+              _mm512_storeu_ps(at + 16 * v, _mm512_fmadd_ps(sv, _mm512_loadu_ps(ct + 16 * v), _mm512_loadu_ps(at + 16 * v)));
           } else {
             for (int i = 0; i < 16; ++i)
               scale16[i] = row + i <= last ? wl.scale.as<float>()[((row + i) / kBlock) * kblocks + kb] * 256.f : 0.f;
-            scale_acc(cbuf, scale16, N, at);
+            scale_acc(ct, scale16, N, at);
           }
         }
       }
@@ -319,127 +373,30 @@ DSV3_AMX void rows_amx(const Linear& wl, int64_t r0, int64_t nr, const uint64_t*
   }
 }
 
-// Few tokens (g <= 8, N = 2g columns): the FP8 block scale goes into B, once per 128-row block,
-// so the C tiles accumulate over all of K and leave the tile unit once. A tiles are converted
-// one 64-k chunk ahead of the products that use them (double buffer), so the vector stores have
-// landed before the tile loads read them.
-template <bool kFp8>
-DSV3_AMX void matmul_amx_small(const float* x, int64_t g, int64_t ldx, const Linear& wl, int64_t r0, int64_t nr,
-                               float* y, int64_t ldy, Scratch& s) {
-  const int64_t K = wl.in(), chunks = (K + 63) / 64, kb = (K + kBlock - 1) / kBlock;
-  const int N = int(2 * g);
-  uint64_t* b = static_cast<uint64_t*>(s.get(4, size_t(2 * chunks * 16 * g) * 8));
-  uint16_t* abuf = static_cast<uint16_t*>(s.get(5, 2 * 4 * 1024 * 2));  // [parity][tile][2 steps][16][32]
-  float* cbuf = static_cast<float*>(s.get(6, 4 * 256 * 4));
-  float* f = static_cast<float*>(s.get(7, size_t(kb) * 4));
-  const Fp8Consts cst = fp8_consts();
-  if (!kFp8) pack_b<false>(x, g, ldx, K, nullptr, b);
-  for (int64_t r = r0; r < r0 + nr;) {
-    const int64_t nb = r / kBlock, re = kFp8 ? std::min(r0 + nr, (nb + 1) * kBlock) : r0 + nr;
-    if (kFp8) {
-      for (int64_t j = 0; j < kb; ++j) f[j] = wl.scale.as<float>()[nb * kb + j] * 256.f;
-      pack_b<true>(x, g, ldx, K, f, b);
-    }
-    configure(N);
-    for (int64_t rg = r; rg < re; rg += 64) {
-      const int64_t rows = std::min<int64_t>(64, re - rg), ntiles = (rows + 15) / 16;
-      zero_tiles(int(ntiles));
-      if (kFp8) {
-        const uint8_t* w = wl.weight.as<uint8_t>() + rg * K;
-        const bool full_rows = rows == 64;
-        const int64_t full_chunks = K / 64;
-        for (int64_t c = 0; c <= chunks; ++c) {
-          // Convert chunk c (into buffer c & 1), then multiply chunk c - 1.
-          if (c < chunks) {
-            uint16_t* dst = abuf + (c & 1) * 4096;
-            if (full_rows && c < full_chunks) {
-              fp8_a_tiles<true>(w, K, 16, K, c, cst, dst);
-              fp8_a_tiles<true>(w + 16 * K, K, 16, K, c, cst, dst + 1024);
-              fp8_a_tiles<true>(w + 32 * K, K, 16, K, c, cst, dst + 2048);
-              fp8_a_tiles<true>(w + 48 * K, K, 16, K, c, cst, dst + 3072);
-            } else {
-              for (int64_t t = 0; t < ntiles; ++t)
-                fp8_a_tiles<false>(w + 16 * t * K, K, std::min<int64_t>(16, rows - 16 * t), K, c, cst, dst + t * 1024);
-            }
-          }
-          if (c == 0) continue;
-          const int64_t cc = c - 1;
-          const uint16_t* src = abuf + (cc & 1) * 4096;
-          // Alternate tile registers (A: 4/5, B: 6/7) so a load need not wait for the product
-          // still reading the previous contents.
-          _tile_loadd(6, b + (2 * cc) * 16 * g, 4 * N);
-          _tile_loadd(7, b + (2 * cc + 1) * 16 * g, 4 * N);
-          if (ntiles == 4) {
-            _tile_loadd(4, src, 64);
-            _tile_dpbf16ps(0, 4, 6);
-            _tile_loadd(5, src + 1024, 64);
-            _tile_dpbf16ps(1, 5, 6);
-            _tile_loadd(4, src + 2048, 64);
-            _tile_dpbf16ps(2, 4, 6);
-            _tile_loadd(5, src + 3072, 64);
-            _tile_dpbf16ps(3, 5, 6);
-            _tile_loadd(4, src + 512, 64);
-            _tile_dpbf16ps(0, 4, 7);
-            _tile_loadd(5, src + 1024 + 512, 64);
-            _tile_dpbf16ps(1, 5, 7);
-            _tile_loadd(4, src + 2048 + 512, 64);
-            _tile_dpbf16ps(2, 4, 7);
-            _tile_loadd(5, src + 3072 + 512, 64);
-            _tile_dpbf16ps(3, 5, 7);
-          } else {
-            for (int h = 0; h < 2; ++h) {
-              _tile_loadd(6, b + (2 * cc + h) * 16 * g, 4 * N);
-              for (int64_t t = 0; t < ntiles; ++t) {
-                _tile_loadd(4, src + t * 1024 + h * 512, 64);
-                dp_tile(int(t));
-              }
-            }
-          }
-        }
-      } else {
-        const uint16_t* w = wl.weight.as<uint16_t>() + rg * K;
-        const int64_t steps = (K + 31) / 32;
-        for (int64_t st = 0; st < steps; ++st) {
-          _tile_loadd(6, b + st * 16 * g, 4 * N);
-          for (int64_t t = 0; t < ntiles; ++t) {
-            const int64_t tr = std::min<int64_t>(16, rows - 16 * t);
-            if (tr == 16 && 32 * (st + 1) <= K) {
-              _tile_loadd(4, w + 16 * t * K + 32 * st, 2 * K);  // straight from the weights
-            } else {
-              bf16_a_tile(w + 16 * t * K, K, tr, K, st, abuf);
-              _tile_loadd(4, abuf, 64);
-            }
-            dp_tile(int(t));
-          }
-        }
-      }
-      for (int64_t t = 0; t < ntiles; ++t) {
-        store_tile(int(t), cbuf, N);
-        write_y(cbuf, std::min<int64_t>(16, rows - 16 * t), g, y + (rg - r0) + 16 * t, ldy);
-      }
-    }
-    r = re;
-  }
-}
-
 template <bool kFp8>
 DSV3_AMX void matmul_amx_t(const float* x, int64_t M, int64_t ldx, const Linear& wl, int64_t r0, int64_t nr, float* y,
                            int64_t ldy, Scratch& s) {
   const int64_t K = wl.in();
-  if (M <= 8) return matmul_amx_small<kFp8>(x, M, ldx, wl, r0, nr, y, ldy, s);
   const int64_t steps = 2 * ((K + 63) / 64);  // B packs whole 64-k chunks
-  constexpr int64_t kTokenTile = 64;  // eight groups of eight tokens share each converted A block
+  constexpr int64_t kTokenTile = 64;          // eight groups of eight tokens share each converted A block
+  // B depends only on x (no scale): all tokens are packed once and reused while the same
+  // activations come back (the next row tile of the same expert, w3 after w1); the backend
+  // invalidates the key between ops.
+  const Scratch::PackKey key{x, M, ldx, K, kFp8 ? 1 : 2};
+  const bool cached = s.packed_is(key);
+  uint64_t* ball = static_cast<uint64_t*>(cached ? s.get(4, 0) : s.get(4, size_t(steps * 16 * M) * 8));
+  if (!cached) {
+    for (int64_t m = 0; m < M; m += 8) pack_b<kFp8>(x + m * ldx, std::min<int64_t>(8, M - m), ldx, K, nullptr, ball + steps * 16 * m);
+    s.set_packed(key);
+  }
   for (int64_t m0 = 0; m0 < M; m0 += kTokenTile) {
     const int64_t mt = std::min(kTokenTile, M - m0);
     const int ngroups = int((mt + 7) / 8);
     const uint64_t* bufs[8];
     int64_t gsize[8];
-    uint64_t* b = static_cast<uint64_t*>(s.get(4, size_t(steps * 16 * mt) * 8));
     for (int g = 0; g < ngroups; ++g) {
       gsize[g] = std::min<int64_t>(8, mt - 8 * g);
-      pack_b<kFp8>(x + (m0 + 8 * g) * ldx, gsize[g], ldx, K, nullptr, b);
-      bufs[g] = b;
-      b += steps * 16 * gsize[g];
+      bufs[g] = ball + steps * 16 * (m0 + 8 * g);
     }
     rows_amx<kFp8>(wl, r0, nr, bufs, gsize, ngroups, y + m0 * ldy, ldy, s);
   }

@@ -413,7 +413,7 @@ DSV3_AVX512 void t_direct_tokens(const float* x, int64_t M, int64_t ldx, const L
 DSV3_AVX512 void matmul_t_generic(const float* x, int64_t M, int64_t ldx, const Linear& wl, int64_t d0, int64_t nd,
                                   float* y, int64_t ldy, Scratch& s) {
   const int64_t C = wl.in(), ndp = round64(nd);
-  float* wt = s.get<float>(4, size_t(C * ndp));
+  float* wt = s.get<float>(3, size_t(C * ndp));
   const int64_t kb = ceil_div(C, kBlock);
   for (int64_t c = 0; c < C; ++c) std::fill(wt + c * ndp + nd, wt + (c + 1) * ndp, 0.f);
   for (int64_t d = 0; d < nd; ++d) {
