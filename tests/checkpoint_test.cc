@@ -187,7 +187,7 @@ struct CliResult {
   std::string err;
 };
 CliResult run_cli(const std::string& args) {
-  std::string errf = ::testing::TempDir() + "/dsv3_cli_err.txt";
+  std::string errf = tmp_path("cli_err.txt");
   int rc = std::system((std::string(DSV3_BINARY) + " " + args + " 2>" + errf + " >/dev/null").c_str());
   std::ifstream f(errf);
   std::string err((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
@@ -232,7 +232,7 @@ TEST(LogitsCommandErrors, BadOptionsAndFiles) {
 }
 
 TEST(InspectCommand, SummarisesAndValidates) {
-  std::string out = ::testing::TempDir() + "/dsv3_inspect.txt";
+  std::string out = tmp_path("inspect.txt");
   ASSERT_EQ(std::system((std::string(DSV3_BINARY) + " inspect --model " + case_dir("v3_fp8") + "/hf >" + out).c_str()), 0);
   std::ifstream f(out);
   std::string s((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());

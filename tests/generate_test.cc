@@ -29,7 +29,7 @@ TEST_P(GoldenGenerate, GreedyFollowsFp32Argmax) {
   TensorView lens = g.get("prompt_lens"), flat = g.get("prompt_tokens_flat");
   const int B = int(lens.dim(0));
   std::vector<std::vector<int32_t>> prompts;
-  std::string ids_path = ::testing::TempDir() + "/dsv3_gen_" + c + ".txt";
+  std::string ids_path = tmp_path("gen_" + c + ".txt");
   {
     std::ofstream f(ids_path);
     int off = 0;
@@ -48,7 +48,7 @@ TEST_P(GoldenGenerate, GreedyFollowsFp32Argmax) {
   int end_pos = g.get(std::string(key) + ".start_pos").as<int32_t>()[0] + int(g.get(std::string(key) + ".tokens").dim(1)) + 1;
   int max_new = 0;
   for (auto& p : prompts) max_new = std::max(max_new, end_pos - int(p.size()));
-  std::string out = ::testing::TempDir() + "/dsv3_gen_" + c + ".json";
+  std::string out = tmp_path("gen_" + c + ".json");
   std::string cmd = std::string(DSV3_BINARY) + " generate --model " + case_dir(c) + "/hf --input-ids " + ids_path +
                     " --json --temperature 0 --ignore-eos --backend ref --max-new-tokens " +
                     std::to_string(max_new) + " >" + out + " 2>/dev/null";
@@ -82,10 +82,10 @@ TEST_P(GoldenGenerate, GreedyFollowsFp32Argmax) {
 INSTANTIATE_TEST_SUITE_P(Cases, GoldenGenerate, ::testing::ValuesIn(golden_cases()));
 
 TEST(GenerateCommand, RefusesBadInput) {
-  std::string bad = ::testing::TempDir() + "/dsv3_gen_bad.txt";
+  std::string bad = tmp_path("gen_bad.txt");
   auto run = [&](const std::string& content, const std::string& extra) {
     std::ofstream(bad) << content;
-    std::string err = ::testing::TempDir() + "/dsv3_gen_err.txt";
+    std::string err = tmp_path("gen_err.txt");
     int rc = std::system((std::string(DSV3_BINARY) + " generate --model " + case_dir("v3_fp8") + "/hf --input-ids " +
                           bad + " --json --backend ref " + extra + " >/dev/null 2>" + err).c_str());
     EXPECT_NE(rc, 0);

@@ -105,7 +105,7 @@ INSTANTIATE_TEST_SUITE_P(Cases, GoldenModel, ::testing::ValuesIn(all_params()), 
 
 // The replay command end to end: dsv3 logits on a golden file gives the same numbers.
 TEST(LogitsCommand, ReplaysGoldenCallsThroughTheBinary) {
-  std::string c = "v3_fp8", out = ::testing::TempDir() + "/dsv3_logits_cli.safetensors";
+  std::string c = "v3_fp8", out = tmp_path("logits_cli.safetensors");
   std::string cmd = std::string(DSV3_BINARY) + " logits --model " + case_dir(c) + "/hf --calls " + case_dir(c) +
                     "/golden.safetensors --out " + out + " --attn naive 2>/dev/null";
   ASSERT_EQ(std::system(cmd.c_str()), 0) << cmd;

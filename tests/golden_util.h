@@ -4,9 +4,18 @@
 #include <string>
 #include <vector>
 
+#include <gtest/gtest.h>
+
+#include <unistd.h>
+
 #include "core/tensor.h"
 
 namespace dsv3::testing_util {
+
+// A scratch path unique to this process (ctest runs tests in parallel processes).
+inline std::string tmp_path(const std::string& name) {
+  return ::testing::TempDir() + "/dsv3_" + std::to_string(::getpid()) + "_" + name;
+}
 
 inline std::string golden_dir() { return std::string(DSV3_TEST_DATA) + "/golden"; }
 inline std::string case_dir(const std::string& c) { return golden_dir() + "/models/" + c; }
