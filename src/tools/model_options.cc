@@ -10,7 +10,7 @@
 namespace dsv3 {
 
 std::vector<std::string> with_model_options(std::vector<std::string> opts) {
-  for (const char* o : {"model", "config", "backend", "attn", "threads"}) opts.push_back(o);
+  for (const char* o : {"model", "config", "backend", "attn", "threads", "kv-cache-gb"}) opts.push_back(o);
   return opts;
 }
 
@@ -36,6 +36,7 @@ LoadedModel load_model(const Args& args, int slots, int max_len, const std::stri
   opt.attn = parse_attn(args.get("attn", "absorb"));
   opt.max_slots = std::max(1, slots);
   opt.max_len = std::min(max_len, ck->args().max_seq_len);
+  opt.kv_cache_gb = args.get_float("kv-cache-gb", 0);  // 0: sized for slots x max_len
   LoadedModel lm;
   lm.model = std::make_unique<Model>(std::move(ck), make_backend(args.get("backend", backend.empty() ? default_backend() : backend)), opt);
   return lm;
