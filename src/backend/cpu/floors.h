@@ -17,7 +17,8 @@ namespace dsv3::cpu {
 // Best of `reps` sums over `bytes` bytes split across the pool's threads, in GB/s (1e9 bytes).
 double read_bandwidth_gbps(ThreadPool& pool, size_t bytes, int reps = 3);
 
-// Peak float32 FMA rate of all the pool's threads, FLOP/s (2 per FMA lane).
+// Peak float32 FMA rate of all the pool's threads, FLOP/s (2 per FMA lane), timed in each thread's
+// CPU time: the hardware's rate even when other processes share the cores.
 double fma_peak_flops(ThreadPool& pool, Isa isa);
 // Peak of the arithmetic `isa`'s large products use: AMX bf16 tile rate for kAmx, else FMA.
 double matrix_peak_flops(ThreadPool& pool, Isa isa);

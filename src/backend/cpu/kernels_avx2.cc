@@ -190,6 +190,7 @@ DSV3_AVX2 double fma_peak_avx2(long iters) {
   for (int i = 0; i < 12; ++i) acc[i] = _mm256_setzero_ps();
   __m256 a = _mm256_set1_ps(1.f), b = _mm256_set1_ps(1e-8f);
   for (long it = 0; it < iters; ++it) {
+    _Pragma("GCC unroll 16")
     for (int i = 0; i < 12; ++i) acc[i] = _mm256_fmadd_ps(a, b, acc[i]);
     __asm__ volatile("" : "+x"(a), "+x"(b));
   }

@@ -618,6 +618,7 @@ DSV3_AVX512 double fma_peak_avx512(long iters) {
   for (int i = 0; i < 24; ++i) acc[i] = _mm512_setzero_ps();
   __m512 a = _mm512_set1_ps(1.f), b = _mm512_set1_ps(1e-8f);
   for (long it = 0; it < iters; ++it) {
+    DSV3_UNROLL
     for (int i = 0; i < 24; ++i) acc[i] = _mm512_fmadd_ps(a, b, acc[i]);
     __asm__ volatile("" : "+v"(a), "+v"(b));
   }
