@@ -33,6 +33,14 @@ namespace {
 
 double now() { return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count(); }
 
+// CPU seconds this process has used (all threads): against wall time x threads, the share of the
+// cores the run actually got on a shared machine.
+double process_cpu_seconds() {
+  struct rusage ru;
+  getrusage(RUSAGE_SELF, &ru);
+  return double(ru.ru_utime.tv_sec + ru.ru_stime.tv_sec) + double(ru.ru_utime.tv_usec + ru.ru_stime.tv_usec) * 1e-6;
+}
+
 std::vector<int> parse_list(const std::string& s, const char* what) {
   std::vector<int> v;
   std::stringstream ss(s);
@@ -190,14 +198,14 @@ int run_bench(int argc, char** argv) {
   std::vector<int32_t> ptoks(static_cast<size_t>(prompt));
   for (auto& t : ptoks) t = tok(rng);
   std::vector<float> logits(static_cast<size_t>(max_b) * V);
-  const double t0 = now();
+  const double t0 = now(), c0 = process_cpu_seconds();
   model.forward(ptoks.data(), 1, int(prompt), 0, logits.data());
-  const double ttft = now() - t0;
+  const double ttft = now() - t0, prefill_share = (process_cpu_seconds() - c0) / (ttft * pool.size());
   const double pflops = prefill_flops(a, prompt);
   std::fprintf(out, "prefill: %ld tokens in %.2f s = %.1f tok/s (time to first token %.2f s); %.1f GFLOP/s = %.0f%% of the matrix peak",
                prompt, ttft, double(prompt) / ttft, ttft, pflops / ttft / 1e9, 100 * pflops / ttft / peak);
   if (split > 1) std::fprintf(out, " (%.0f%% of the hi+lo useful peak %.1f GFLOP/s)", 100 * pflops / ttft / (peak / split), peak / split / 1e9);
-  std::fprintf(out, "\n");
+  std::fprintf(out, "; got %.0f%% of the cores\n", 100 * prefill_share);
 
   // 4. Decode at each batch size: prefill `ctx` tokens per row (not timed), then `gen` steps.
   nlohmann::json dec = nlohmann::json::array();
@@ -209,12 +217,12 @@ int run_bench(int argc, char** argv) {
     std::vector<int32_t> next(static_cast<size_t>(B));
     for (int b = 0; b < B; ++b) next[size_t(b)] = argmax_row(logits.data() + size_t(b) * V, V);
     model.backend().reset_counters();
-    const double d0 = now();
+    const double d0 = now(), dc0 = process_cpu_seconds();
     for (long s = 0; s < gen; ++s) {
       model.forward(next.data(), B, 1, int(ctx + s), logits.data());
       for (int b = 0; b < B; ++b) next[size_t(b)] = argmax_row(logits.data() + size_t(b) * V, V);
     }
-    const double secs = now() - d0;
+    const double secs = now() - d0, share = (process_cpu_seconds() - dc0) / (secs * pool.size());
     const int64_t run = model.backend().routed_experts_run();
     const bool measured = run >= 0;
     const double E = a.n_routed_experts, K = a.n_activated_experts;
@@ -226,9 +234,9 @@ int run_bench(int argc, char** argv) {
     const double floor_tok_s = double(B) / (bytes / (bw * 1e9));
     std::fprintf(out,
                  "decode batch %d: %.2f tok/s (%.1f ms/step); reads %.3f GB/step (%.1f experts/layer %s) -> floor %.2f tok/s; "
-                 "%.0f%% of the bandwidth floor\n",
+                 "%.0f%% of the bandwidth floor; got %.0f%% of the cores\n",
                  B, tok_s, 1e3 * secs / double(gen), bytes / 1e9, experts_per_layer, measured ? "measured" : "estimated",
-                 floor_tok_s, 100 * tok_s / floor_tok_s);
+                 floor_tok_s, 100 * tok_s / floor_tok_s, 100 * share);
     dec.push_back({{"batch", B},
                    {"steps", gen},
                    {"context", ctx},
@@ -238,7 +246,8 @@ int run_bench(int argc, char** argv) {
                    {"routed_experts_per_layer", experts_per_layer},
                    {"experts", measured ? "measured from routing" : "estimated (uniform routing)"},
                    {"floor_tok_s", floor_tok_s},
-                   {"fraction_of_floor", tok_s / floor_tok_s}});
+                   {"fraction_of_floor", tok_s / floor_tok_s},
+                   {"cpu_share", share}});
   }
   struct rusage ru;
   getrusage(RUSAGE_SELF, &ru);
@@ -271,7 +280,8 @@ int run_bench(int argc, char** argv) {
                           {"gflop", pflops / 1e9},
                           {"gflops", pflops / ttft / 1e9},
                           {"fraction_of_peak", pflops / ttft / peak},
-                          {"fraction_of_useful_peak", pflops / ttft / (peak / split)}}},
+                          {"fraction_of_useful_peak", pflops / ttft / (peak / split)},
+                          {"cpu_share", prefill_share}}},
                         {"decode", dec},
                         {"peak_rss_bytes", peak_rss},
                         {"rss_file_bytes", file},

@@ -296,11 +296,16 @@ class CpuBackend final : public Backend {
     float* hbuf = hidden_.get(size_t(hsize));
     items_.clear();
     const int threads = pool_.size();
+    // Work items of ~1/4 of a thread's share (at least 128 rows, at most a whole expert): few, long
+    // calls stream weights best (each call starts cold), and a thread's items are contiguous.
+    int64_t total_rows = 0;
+    for (int j = 0; j < njobs; ++j) total_rows += jobs_[size_t(j)].inter;
+    const int64_t target = std::max<int64_t>(128, (total_rows / (4 * threads) + 127) / 128 * 128);
     for (int j = 0; j < njobs; ++j) {
       ExpertJob& job = jobs_[size_t(j)];
       job.h = hbuf;
       hbuf += int64_t(job.rows.size()) * job.inter;
-      const int64_t tile = njobs >= 2 * threads ? 128 : row_tile(job.inter, threads);
+      const int64_t tile = std::min(job.inter, target);
       for (int64_t r = 0; r < job.inter; r += tile) items_.push_back({j, r, std::min(tile, job.inter - r)});
     }
     pool_.parallel_for(int64_t(items_.size()), [&](int64_t b, int64_t e, int t) {

@@ -192,6 +192,12 @@ template <WT T>
 DSV3_AVX512 void direct_tokens(const void* w, int64_t ldw, int64_t nr, int64_t K, const float* xs, int64_t ldxs,
                                int64_t M, float* y, int64_t ldy) {
   constexpr size_t esz = elem_size<T>();
+  // The first row groups of a call are not covered by the kernel's look-ahead prefetch.
+  {
+    const char* p = static_cast<const char*>(w);
+    const size_t first = size_t(std::min<int64_t>(8, nr) * ldw) * esz;
+    for (size_t off = 0; off < first; off += 64) _mm_prefetch(p + off, _MM_HINT_T0);
+  }
   for (int64_t rb = 0; rb < nr; rb += 64) {
     const void* wr = static_cast<const char*>(w) + size_t(rb * ldw) * esz;
     const int64_t n = std::min<int64_t>(64, nr - rb);
