@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 #include <unistd.h>
 
+#include <cctype>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
@@ -48,14 +49,17 @@ class ChatTty : public ::testing::Test {
   std::string screen() { return sh("tmux capture-pane -p -J -S -200 -t " + session_ + " 2>/dev/null"); }
   bool alive() { return std::system(("tmux has-session -t " + session_ + " 2>/dev/null").c_str()) == 0; }
   void keys(const std::string& k) { std::system(("tmux send-keys -t " + session_ + " " + k).c_str()); }
+  int count(const std::string& needle) {
+    std::string s = screen();
+    int n = 0;
+    for (size_t p = s.find(needle); p != std::string::npos; p = s.find(needle, p + 1)) ++n;
+    return n;
+  }
   // Waits until the screen contains `needle` at least `count` times.
   bool wait_for(const std::string& needle, int count = 1, double seconds = 60) {
     auto until = std::chrono::steady_clock::now() + std::chrono::milliseconds(int(seconds * 1000));
     while (std::chrono::steady_clock::now() < until) {
-      std::string s = screen();
-      int n = 0;
-      for (size_t p = s.find(needle); p != std::string::npos; p = s.find(needle, p + 1)) ++n;
-      if (n >= count) return true;
+      if (this->count(needle) >= count) return true;
       std::this_thread::sleep_for(std::chrono::milliseconds(100));
     }
     return false;
@@ -70,32 +74,34 @@ TEST_F(ChatTty, TypeStreamClearInterruptExit) {
   ASSERT_TRUE(wait_for("/exit quits")) << screen();
   ASSERT_TRUE(wait_for("> ")) << screen();
 
-  // A question; while the (long) answer streams, text appears before it is finished: Ctrl-C.
-  keys("'Hello there' Enter");
-  std::string before;
-  auto until = std::chrono::steady_clock::now() + std::chrono::seconds(60);
-  while (std::chrono::steady_clock::now() < until) {
-    before = screen();
-    size_t q = before.find("> Hello there");
-    if (q != std::string::npos && before.size() > q + 60) break;  // answer text is streaming in
-    std::this_thread::sleep_for(std::chrono::milliseconds(50));
-  }
-  ASSERT_EQ(before.find("[prompt"), std::string::npos) << "the answer finished before it could be interrupted";
-  keys("C-c");
-  ASSERT_TRUE(wait_for(" ^C", 1, 30)) << screen();
-  ASSERT_TRUE(wait_for("[prompt", 1, 30)) << screen();
-  EXPECT_TRUE(alive());
-
-  // The program still answers; the second prompt includes the history (more prompt tokens).
-  keys("'And again' Enter");
-  keys("C-c");
-  ASSERT_TRUE(wait_for("[prompt", 2, 60)) << screen();
-
+  // Each question gets a long answer; once its text is streaming in (visible before the answer is
+  // done), Ctrl-C stops it and the prompt returns with the speed line.
+  auto ask_and_interrupt = [&](const std::string& text, int turn) {
+    keys("'" + text + "' Enter");
+    bool streaming = false;
+    auto until = std::chrono::steady_clock::now() + std::chrono::seconds(60);
+    while (!streaming && std::chrono::steady_clock::now() < until) {
+      std::string sc = screen();
+      size_t q = sc.rfind("> " + text);
+      if (q != std::string::npos) {
+        int visible = 0;
+        for (size_t i = sc.find('\n', q); i != std::string::npos && i < sc.size(); ++i)
+          visible += !std::isspace(static_cast<unsigned char>(sc[i]));
+        streaming = visible >= 3;
+      }
+      if (!streaming) std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    }
+    ASSERT_TRUE(streaming) << "no streamed answer to '" << text << "':\n" << screen();
+    ASSERT_EQ(count("[prompt"), turn - 1) << "the answer finished before it could be interrupted:\n" << screen();
+    keys("C-c");
+    ASSERT_TRUE(wait_for("[prompt", turn, 30)) << screen();
+    EXPECT_TRUE(alive());
+  };
+  ask_and_interrupt("Hello there", 1);
+  ask_and_interrupt("And again", 2);  // the history makes this prompt longer
   keys("/clear Enter");
   ASSERT_TRUE(wait_for("(history cleared)", 1, 30)) << screen();
-  keys("'Fresh start' Enter");
-  keys("C-c");
-  ASSERT_TRUE(wait_for("[prompt", 3, 60)) << screen();
+  ask_and_interrupt("Fresh start", 3);
   std::string s = screen();
   // Prompt sizes: turn 1 < turn 2 (history), turn 3 (after /clear) back to a short prompt.
   std::vector<int> sizes;

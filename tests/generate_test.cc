@@ -101,3 +101,25 @@ TEST(GenerateCommand, RefusesBadInput) {
 }
 
 }  // namespace
+
+#include "model/model.h"
+#include "runtime/generate.h"
+
+namespace {
+TEST(Generator, NeverSamplesPastTheVocabularyLimit) {
+  ModelOptions opt;
+  opt.max_slots = 2;
+  Model m(Checkpoint::open(case_dir("v3_fp8") + "/hf"), make_ref_backend(), opt);
+  Generator gen(m, -1);
+  gen.set_vocab_limit(100);
+  GenerateRequest r;
+  r.prompt = {5, 6, 7};
+  r.sampling.temperature = 20.f;  // nearly uniform over the model's 512 ids
+  r.max_new_tokens = 150;
+  auto res = gen.run({r, r});
+  for (auto& x : res) {
+    ASSERT_EQ(x.tokens.size(), 150u);
+    for (int32_t t : x.tokens) EXPECT_LT(t, 100);
+  }
+}
+}  // namespace

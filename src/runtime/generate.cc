@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 
 #include "core/error.h"
 
@@ -78,7 +79,8 @@ std::vector<GenerateResult> Generator::run(const std::vector<GenerateRequest>& r
     for (size_t r = 0; r < live.size(); ++r) {
       size_t i = live[r];
       // The first step's logits are laid out by request, later steps' by position in `live`.
-      const float* row = logits.data() + (first ? i : r) * size_t(V);
+      float* row = logits.data() + (first ? i : r) * size_t(V);
+      if (vocab_limit_ > 0 && vocab_limit_ < V) std::fill(row + vocab_limit_, row + V, -INFINITY);
       int32_t tok = samplers[i].sample(row, V, ctx[i]);
       if (on_token) on_token(i, tok);
       if (tok == eos_) {

@@ -48,12 +48,16 @@ class Generator {
   // Whether a slot's cache is reused across run() calls: a new prompt sharing a prefix with what
   // the slot holds prefills only the rest (multi-turn chat). Off by default.
   void set_reuse_prefix(bool on) { reuse_ = on; }
+  // Samples only ids < n: checkpoints pad the vocabulary past the tokenizer's last id (DeepSeek-V3:
+  // 129280 rows, 128815 tokens); ids that no tokenizer can decode are never drawn.
+  void set_vocab_limit(int n) { vocab_limit_ = n; }
 
  private:
   Model& model_;
   int eos_;
   int chunk_;
   bool reuse_ = false;
+  int vocab_limit_ = 0;  // 0 = the model's vocabulary
   std::vector<std::vector<int32_t>> cached_;  // per slot: the tokens whose K/V the cache holds
   GenerateStats stats_;
 };

@@ -55,6 +55,7 @@ int run_chat(int argc, char** argv) {
   Model& model = *lm.model;
   Generator gen(model, tok->eos_id() >= 0 ? tok->eos_id() : model.args().eos_token_id);
   gen.set_reuse_prefix(true);
+  gen.set_vocab_limit(tok->vocab_size());
 
   struct sigaction sa;
   std::memset(&sa, 0, sizeof sa);

@@ -117,6 +117,7 @@ int run_generate(int argc, char** argv) {
   if (eos < 0) eos = model.args().eos_token_id;
   if (args.has("ignore-eos")) eos = -1;  // as the reference's eos_id=-1: always max_new_tokens
   Generator gen(model, eos);
+  if (tok) gen.set_vocab_limit(tok->vocab_size());
 
   nlohmann::json results = nlohmann::json::array();
   for (size_t b = 0; b < prompts.size(); b += size_t(batch)) {
