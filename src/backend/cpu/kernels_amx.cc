@@ -1,4 +1,4 @@
-// AMX (tile matrix multiply, bf16) matmul for FP8 and bf16 weights. Weights become bf16 tiles
+// AMX (tile matrix multiply, bf16) matmul for FP8 and bf16 weights, used for more than 8 tokens. Weights become bf16 tiles
 // exactly (e4m3 -> bf16 in registers, as in the AVX-512 kernels; bf16 weights load straight from
 // the mmap); activations go in as TWO bf16 columns each, hi = bf16(x) and lo = bf16(x - hi), so
 // hi + lo carries 16 significant bits (relative error <= 2^-17) and the tile unit's float32
@@ -180,6 +180,9 @@ DSV3_AMX_INLINE void fp8_a_tiles(const uint8_t* w, int64_t ldw, int64_t nrows, i
     __m512i lo, hi;
     if (kFull || r < nrows) {
       const uint8_t* p = w + r * ldw + 64 * c;
+      // 64 rows advance together, 128 bytes each per k block: far too many streams for the
+      // hardware prefetcher, so fetch 4 chunks (two k blocks) ahead (past the row end: harmless).
+      _mm_prefetch(reinterpret_cast<const char*>(p + 4 * 64), _MM_HINT_T0);
       fp8_to_bf16(kFull ? _mm512_loadu_si512(p) : _mm512_maskz_loadu_epi8(km, p), cst, lo, hi);
     } else {
       lo = hi = _mm512_setzero_si512();
@@ -193,8 +196,10 @@ DSV3_AMX_INLINE void fp8_a_tiles(const uint8_t* w, int64_t ldw, int64_t nrows, i
 DSV3_AMX_INLINE void bf16_a_tile(const uint16_t* w, int64_t ldw, int64_t nrows, int64_t K, int64_t s, uint16_t* a) {
   const int64_t n = K - 32 * s;
   const __mmask32 km = tail_mask32(n);
-  for (int64_t r = 0; r < 16; ++r)
+  for (int64_t r = 0; r < 16; ++r) {
+    _mm_prefetch(reinterpret_cast<const char*>(w + r * ldw + 32 * (s + 8)), _MM_HINT_T0);  // two k blocks ahead
     _mm512_store_si512(a + r * 32, r < nrows ? _mm512_maskz_loadu_epi16(km, w + r * ldw + 32 * s) : _mm512_setzero_si512());
+  }
 }
 
 // Index vectors spreading a 16-row scale vector over a flat [16][N] float tile: lane l of vector v
@@ -431,9 +436,11 @@ DSV3_AMX double amx_peak_1thread(long iters) {
 DSV3_AMX void matmul_amx(const float* x, int64_t M, int64_t ldx, const Linear& w, int64_t r0, int64_t nr, float* y,
                          int64_t ldy, Scratch& s) {
   if (M <= 0 || nr <= 0) return;
-  // One or two tokens: the AVX-512 FMA kernel converts fewer bytes per weight than the tile path
-  // stages (measured: 28 vs 22 GB/s per core at M = 1); from three tokens on the tiles win.
-  if (M < 3) return matmul_avx512_entry(x, M, ldx, w, r0, nr, y, ldy, s);
+  // Up to 8 tokens (decode) the weights stream from memory and the AVX-512 FMA kernel keeps more
+  // of the bandwidth (dsv3_kernel_bench, FP8 [488192 x 2048] from memory, 2 threads: M = 1: 9.5
+  // vs 10.3 GB/s; M = 4: 8.1 vs 5.8; M = 8: 5.0 vs 5.9; bf16 M = 4: 12.3 vs 6.8); the tiles pay
+  // once a converted block is shared by more tokens (prefill: 3x the FMA path's FLOP rate).
+  if (M <= 8) return matmul_avx512_entry(x, M, ldx, w, r0, nr, y, ldy, s);
   if (w.weight.dtype == DType::F8_E4M3) return matmul_amx_t<true>(x, M, ldx, w, r0, nr, y, ldy, s);
   if (w.weight.dtype == DType::BF16) return matmul_amx_t<false>(x, M, ldx, w, r0, nr, y, ldy, s);
   matmul_avx512_entry(x, M, ldx, w, r0, nr, y, ldy, s);
