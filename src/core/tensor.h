@@ -31,17 +31,4 @@ std::string shape_str(const std::vector<int64_t>& shape);  // "[2, 3]"
 // Reads element i of a float-like view (F32, BF16, F16, F8_E4M3) as float.
 float load_f32(const TensorView& t, int64_t i);
 
-// An owning float buffer with a shape, for tests and small results.
-struct Buffer {
-  std::vector<int64_t> shape;
-  std::vector<float> data;
-  Buffer() = default;
-  explicit Buffer(std::vector<int64_t> s) : shape(std::move(s)) {
-    int64_t n = 1;
-    for (auto d : shape) n *= d;
-    data.assign(size_t(n), 0.f);
-  }
-  TensorView view() const { return {DType::F32, shape, data.data()}; }
-};
-
 }  // namespace dsv3

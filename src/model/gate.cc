@@ -3,6 +3,8 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <numeric>
+#include <vector>
 
 namespace dsv3 {
 
@@ -40,19 +42,16 @@ void route_token(const ModelArgs& a, const float* logits, const float* bias, int
         gscore[g] = m1 + m2;
       }
     }
-    int gidx[1024];
-    int* gi = G <= 1024 ? gidx : new int[size_t(G)];
-    for (int g = 0; g < G; ++g) gi[g] = g;
-    std::partial_sort(gi, gi + a.n_limited_groups, gi + G, better(gscore));
+    std::vector<int> gi(static_cast<size_t>(G));
+    std::iota(gi.begin(), gi.end(), 0);
+    std::partial_sort(gi.begin(), gi.begin() + a.n_limited_groups, gi.end(), better(gscore));
     for (int r = a.n_limited_groups; r < G; ++r)
-      for (int i = 0; i < per; ++i) choice[gi[r] * per + i] = -std::numeric_limits<float>::infinity();
-    if (gi != gidx) delete[] gi;
+      for (int i = 0; i < per; ++i) choice[gi[size_t(r)] * per + i] = -std::numeric_limits<float>::infinity();
   }
   // Top-K of the choice scores by a partial selection over indices.
-  int eidx_stack[1024];
-  int* ei = E <= 1024 ? eidx_stack : new int[size_t(E)];
-  for (int e = 0; e < E; ++e) ei[e] = e;
-  std::partial_sort(ei, ei + K, ei + E, better(choice));
+  std::vector<int> ei(static_cast<size_t>(E));
+  std::iota(ei.begin(), ei.end(), 0);
+  std::partial_sort(ei.begin(), ei.begin() + K, ei.end(), better(choice));
   double sum = 0;
   for (int k = 0; k < K; ++k) {
     indices[k] = ei[k];
@@ -63,7 +62,6 @@ void route_token(const ModelArgs& a, const float* logits, const float* bias, int
     if (a.norm_topk_prob) wk /= sum;
     weights[k] = float(wk * a.route_scale);
   }
-  if (ei != eidx_stack) delete[] ei;
 }
 
 }  // namespace dsv3

@@ -41,7 +41,6 @@ std::vector<Call> read_calls(const std::string& path) {
       if (t.numel() != 1 || (t.dtype != DType::I32 && t.dtype != DType::I64))
         fail(path, ": '", name, "' must be one I32 value");
       c.start_pos = t.dtype == DType::I32 ? t.as<int32_t>()[0] : int(t.as<int64_t>()[0]);
-      c.B = c.B;  // set with tokens
     } else if (field == "tokens") {
       if (t.shape.size() != 2 || (t.dtype != DType::I32 && t.dtype != DType::I64))
         fail(path, ": '", name, "' must be I32 [B, T], is ", dtype_name(t.dtype), " ", shape_str(t.shape));
@@ -54,8 +53,7 @@ std::vector<Call> read_calls(const std::string& path) {
   }
   std::vector<Call> out;
   for (auto& [k, c] : steps) {
-    if (c.tokens.empty() && c.B == 0) fail(path, ": ", c.prefix, " has no tokens");
-    if (c.B == 0 || c.T == 0) fail(path, ": ", c.prefix, ".tokens is empty");
+    if (c.B == 0 || c.T == 0) fail(path, ": ", c.prefix, ".tokens is missing or empty");
     out.push_back(std::move(c));
   }
   if (out.empty()) fail(path, ": no stepNNN.tokens entries");
