@@ -5,7 +5,7 @@
 // bf16 matrix rate, or all weight bytes / bandwidth, whichever is larger) and beside the
 // reference's and transformers' speeds on an H200 (bench/anchors_h200.h).
 //
-//   dsv3_cuda_bench [--dtypes bf16,fp8] [--steps 64] [--json FILE] [--quick] [--profile]
+//   dsv3_cuda_bench [--dtypes bf16,fp8] [--steps 64] [--json FILE] [--quick] [--profile] [--prefill-only]
 // --profile adds a run that times every op and kernel group with events (no graphs).
 #include <cuda_runtime.h>
 
@@ -93,7 +93,7 @@ struct Variant {
 int main(int argc, char** argv) {
   std::vector<std::string> dtypes = {"bf16", "fp8"};
   int steps = 64;
-  bool quick = false, profile = false;
+  bool quick = false, profile = false, prefill_only = false;
   std::string json;
   for (int i = 1; i < argc; ++i) {
     std::string s = argv[i];
@@ -119,6 +119,8 @@ int main(int argc, char** argv) {
       json = next();
     } else if (s == "--quick") {
       quick = true;
+    } else if (s == "--prefill-only") {
+      prefill_only = true;
     } else if (s == "--profile") {
       profile = true;
     } else {
@@ -142,7 +144,7 @@ int main(int argc, char** argv) {
       const bool fp8 = dt == "fp8";
       const ModelArgs a = shape_16b(fp8);
       std::vector<Variant> vars;
-      CudaOptions base;  // graphs + PDL, float32-grade GEMMs
+      CudaOptions base = CudaOptions::from_env();  // graphs + PDL, float32-grade GEMMs (DSV3_CUDA_* may change it)
       vars.push_back({"default", base, true, true});
       if (!quick) {
         CudaOptions o = base;
@@ -154,18 +156,19 @@ int main(int argc, char** argv) {
         o = base;
         o.pdl = false;
         vars.push_back({"nopdl", o, true, false});
-        if (!fp8) {
-          o = base;
-          o.cublas = true;
-          vars.push_back({"cublas", o, false, true});
-          o.fast = true;
-          vars.push_back({"cublas-fast", o, false, true});
-        }
+        o = base;
+        o.tc_min = 1 << 30;  // prefill on the first-generation WMMA kernel and CUDA-core attention
+        vars.push_back({"wmma", o, false, true});
+        o = base;
+        o.gemv_max = 7, o.tc_min = 8;  // batch 8 on the pipelined tensor-core kernel
+        vars.push_back({"tc8", o, true, false});
       }
       if (profile) {
         CudaOptions o = base;
         o.profile = true;
         vars.push_back({"profile", o, true, true, true});
+        o.fast = true;
+        vars.push_back({"profile-fast", o, false, true, true});
       }
       for (const Variant& v : vars) {
         auto be = make_cuda_backend(v.opt);
@@ -183,7 +186,7 @@ int main(int argc, char** argv) {
         cudaMallocHost(&logits, sizeof(float) * size_t(V) * 8);
         std::mt19937 rng(7);
         std::uniform_int_distribution<int> tokd(0, V - 1);
-        if (v.decode) {
+        if (v.decode && !prefill_only) {
           for (int B : {1, 8}) {
             const int T0 = 16;
             std::vector<int32_t> tok(size_t(B * T0));

@@ -29,11 +29,23 @@ namespace {
     if (!cuda::device_available(&why_)) GTEST_SKIP() << why_;   \
   } while (0)
 
-CudaOptions opts(bool fast = false, int gemv_max = 8, bool graphs = true) {
+CudaOptions opts(bool fast = false, int gemv_max = 8, bool graphs = true, int tc_min = 1 << 30) {
   CudaOptions o;
   o.fast = fast;
   o.gemv_max = gemv_max;
   o.graphs = graphs;
+  o.tc_min = tc_min;
+  o.fast_min = 1;
+  return o;
+}
+// Test modes of the product paths: 0 GEMV up to 8 tokens, WMMA GEMM beyond; 1 WMMA from one
+// token; 2 as 0 in fast mode; 3 the pipelined kernel (kernels_tc.cu) from one token; 4 as 3 fast;
+// 5 as 3 with 128-row tiles.
+constexpr int kModes = 6;
+CudaOptions mode_opts(int mode) {
+  const bool fast = mode == 2 || mode == 4;
+  CudaOptions o = opts(fast, mode == 0 || mode == 2 ? 8 : 0, true, mode >= 3 ? 1 : 1 << 30);
+  if (mode == 5) o.tc_tm = 128;
   return o;
 }
 
@@ -180,11 +192,12 @@ struct LinCase {
 TEST(CudaOps, LinearMatchesRef) {
   REQUIRE_GPU();
   auto ref = make_ref_backend();
-  const std::vector<LinCase> cases = {{1, 300, 256}, {3, 257, 200}, {8, 130, 100}, {1, 64, 72},   {13, 300, 384},
-                                      {70, 260, 272}, {130, 129, 128}, {9, 200, 136}, {2, 33, 4096}};
-  for (int mode = 0; mode < 3; ++mode) {
-    const bool fast = mode == 2;
-    auto cuda = make_cuda_backend(opts(fast, mode == 1 ? 0 : 8));
+  const std::vector<LinCase> cases = {{1, 300, 256},  {3, 257, 200},  {8, 130, 100}, {1, 64, 72},   {13, 300, 384},
+                                      {70, 260, 272}, {130, 129, 128}, {9, 200, 136}, {2, 33, 4096}, {200, 515, 96},
+                                      {65, 128, 1024}, {64, 1, 32},   {300, 200, 128}, {257, 640, 64}};
+  for (int mode = 0; mode < kModes; ++mode) {
+    const bool fast = mode == 2 || mode == 4;
+    auto cuda = make_cuda_backend(mode_opts(mode));
     for (DType t : {DType::BF16, DType::F8_E4M3, DType::F32}) {
       for (const LinCase& c : cases) {
         HostLinear h = make_linear(t, c.out, c.in, uint32_t(c.n * 1000 + c.out + c.in));
@@ -195,7 +208,7 @@ TEST(CudaOps, LinearMatchesRef) {
         Dev xd(*cuda, x), yd(*cuda, size_t(c.n * c.out));
         cuda->linear(xd.p, c.n, dl, yd.p);
         const double err = rel_l2(yd.get().data(), want.data(), want.size());
-        const bool tensor_cores = (mode == 1 || c.n > 8) && t != DType::F32;
+        const bool tensor_cores = ((mode != 0 && mode != 2) || c.n > 8) && t != DType::F32;
         const double tol = fast && tensor_cores ? 1e-2 : (tensor_cores ? 3e-5 : 2e-6);
         EXPECT_LE(err, tol) << dtype_name(t) << " n=" << c.n << " out=" << c.out << " in=" << c.in << " mode "
                             << mode;
@@ -255,17 +268,18 @@ struct TwoWeights {
 TEST(CudaOps, MlpAndMoeMatchRef) {
   REQUIRE_GPU();
   auto ref = make_ref_backend();
-  for (int mode = 0; mode < 3; ++mode) {
-    auto cuda = make_cuda_backend(opts(mode == 2, mode == 1 ? 0 : 8));
+  for (int mode = 0; mode < kModes; ++mode) {
+    auto cuda = make_cuda_backend(mode_opts(mode));
+    const bool fast = mode == 2 || mode == 4;
     for (std::string c : {"v2lite_bf16", "v2_groups_bf16", "v3_fp8"}) {
       TwoWeights W(c, *cuda);
       const int64_t D = W.a.dim;
-      for (int64_t n : {1, 4, 8, 37}) {
+      for (int64_t n : {1, 4, 8, 37, 150, 300}) {
         std::vector<float> x = randn(size_t(n * D), uint32_t(n));
         Dev xd(*cuda, x), yd(*cuda, size_t(n * D));
         std::vector<float> want(static_cast<size_t>(n * D));
-        const bool tc = mode == 1 || n > 8;
-        const double tol = mode == 2 && tc ? 2e-2 : (tc ? 5e-5 : 5e-6);
+        const bool tc = (mode != 0 && mode != 2) || n > 8;
+        const double tol = fast && tc ? 2e-2 : (tc ? 5e-5 : 5e-6);
         ref->mlp(W.host.layers[0].ffn, x.data(), n, want.data());
         cuda->mlp(W.dev.layers[0].ffn, xd.p, n, yd.p);
         EXPECT_LE(rel_l2(yd.get().data(), want.data(), want.size()), tol) << c << " mlp n=" << n << " mode " << mode;
@@ -276,6 +290,39 @@ TEST(CudaOps, MlpAndMoeMatchRef) {
               << c << " moe layer " << l << " n=" << n << " mode " << mode;
         }
       }
+    }
+  }
+}
+
+// The layer loop's "h += moe(x); x = rmsnorm(h)" becomes one kernel (un-permute, residual add,
+// norm): both of its forms, float4 (aligned rows) and per element (h one float off alignment).
+TEST(CudaOps, MoeAddNormFusedMatchesRef) {
+  REQUIRE_GPU();
+  auto ref = make_ref_backend();
+  auto cuda = make_cuda_backend(opts());
+  TwoWeights W("v3_fp8", *cuda);
+  const ModelArgs& a = W.a;
+  const int64_t D = a.dim;
+  const LayerWeights& hl = W.host.layers[1];
+  const LayerWeights& dl = W.dev.layers[1];
+  for (int64_t n : {1, 5, 40}) {
+    for (int shift : {0, 1}) {
+      std::vector<float> x = randn(size_t(n * D), uint32_t(n + 3)), h = randn(size_t(n * D), uint32_t(n + 4));
+      std::vector<float> y(size_t(n * D)), rh = h, rx(size_t(n * D));
+      ref->moe(a, hl.moe_w, x.data(), n, y.data());
+      ref->add(rh.data(), y.data(), n * D);
+      ref->rmsnorm(rh.data(), n, D, D, hl.ffn_norm, a.rms_norm_eps, rx.data());
+      std::vector<float> hpad(size_t(n * D + 1), 0.f);
+      std::copy(h.begin(), h.end(), hpad.begin() + shift);
+      Dev xd(*cuda, x), yd(*cuda, size_t(n * D)), hd(*cuda, hpad), od(*cuda, size_t(n * D));
+      float* hp = hd.p + shift;
+      cuda->moe(a, dl.moe_w, xd.p, n, yd.p);
+      cuda->add(hp, yd.p, n * D);
+      cuda->rmsnorm(hp, n, D, D, dl.ffn_norm, a.rms_norm_eps, od.p);
+      std::vector<float> gh = hd.get();
+      EXPECT_LE(rel_l2(od.get().data(), rx.data(), rx.size()), 5e-5) << "n=" << n << " shift " << shift;
+      EXPECT_LE(rel_l2(gh.data() + shift, rh.data(), rh.size()), 5e-5) << "n=" << n << " shift " << shift;
+      EXPECT_LE(rel_l2(yd.get().data(), y.data(), y.size()), 5e-5) << "n=" << n << " shift " << shift;
     }
   }
 }
@@ -321,16 +368,55 @@ TEST(CudaOps, MlaMatchesRef) {
   }
 }
 
+// The prefill form of absorbed MLA (cuBLAS scores/values over runs of a slot, in chunks of 256
+// queries, q absorption as batched bf16 GEMMs, the output projection on the pipelined kernel):
+// a 280-token run after 10 cached positions plus a decode token of another slot.
+TEST(CudaOps, MlaLongRunMatchesRef) {
+  REQUIRE_GPU();
+  auto ref = make_ref_backend();
+  for (bool fast : {false, true}) {
+    auto cuda = make_cuda_backend(opts(fast, 0, false, 1));
+    for (std::string c : {"v2lite_bf16", "v2_groups_bf16"}) {
+      TwoWeights W(c, *cuda);
+      const ModelArgs& a = W.a;
+      const int64_t H = a.n_heads, qk = a.qk_head_dim(), C = a.kv_lora_rank, R = a.qk_rope_head_dim, V = a.v_head_dim;
+      const int slots = 2, max_len = 300;
+      RopeTable rope(a, max_len);
+      std::vector<TokenPos> tp = {{0, 20}};
+      for (int t = 10; t < 290; ++t) tp.push_back({1, t});
+      const int64_t n = int64_t(tp.size());
+      const size_t rows = size_t(slots * max_len);
+      std::vector<float> c1 = randn(rows * size_t(C), 31), c2 = randn(rows * size_t(R), 32);
+      std::vector<float> q = randn(size_t(n * H * qk), 33), kv = randn(size_t(n * (C + R)), 34);
+      std::vector<float> rc1 = c1, rc2 = c2, rq = q, rkv = kv, rout(size_t(n * H * V));
+      LayerCache rcache;
+      rcache.kv = rc1.data(), rcache.pe = rc2.data();
+      ref->mla(a, AttnImpl::kAbsorb, W.host.layers[1].attn, rope, tp.data(), n, rq.data(), rkv.data(), rcache, max_len,
+               rout.data());
+      Dev d1(*cuda, c1), d2(*cuda, c2), dq(*cuda, q), dkv(*cuda, kv), dout(*cuda, size_t(n * H * V));
+      LayerCache dcache;
+      dcache.kv = d1.p, dcache.pe = d2.p;
+      cuda->mla(a, AttnImpl::kAbsorb, W.dev.layers[1].attn, rope, tp.data(), n, dq.p, dkv.p, dcache, max_len, dout.p);
+      const double tol = fast ? 5e-3 : 5e-5;  // fast: scores and values on TF32 tensor cores
+      EXPECT_LE(rel_l2(dout.get().data(), rout.data(), rout.size()), tol) << c << (fast ? " fast" : "");
+      EXPECT_LE(rel_l2(d1.get().data(), rc1.data(), rc1.size()), 5e-5) << c << " cache kv";
+      EXPECT_LE(rel_l2(d2.get().data(), rc2.data(), rc2.size()), 5e-5) << c << " cache pe";
+    }
+  }
+}
+
 // ---- the whole model against the golden float32 logits
 
 struct GoldenParam {
   std::string name;
   AttnImpl attn;
-  int variant;  // 0: default (graphs, PDL); 1: no graphs, no PDL, tensor cores from 1 token; 2: fast
+  int variant;  // 0: default (graphs, PDL); 1: no graphs, no PDL, WMMA tensor cores from 1 token; 2: fast
+                // (bf16 activations for steps of 16+ tokens); 3: pipelined kernel and cuBLAS
+                // attention from 1 token, no graphs
 };
 
 std::string golden_param_name(const ::testing::TestParamInfo<GoldenParam>& p) {
-  static const char* v[] = {"graphs", "plain", "fast"};
+  static const char* v[] = {"graphs", "plain", "fast", "tc"};
   return p.param.name + (p.param.attn == AttnImpl::kAbsorb ? "_absorb_" : "_naive_") + v[p.param.variant];
 }
 
@@ -338,7 +424,7 @@ std::vector<GoldenParam> golden_params() {
   std::vector<GoldenParam> v;
   for (auto& c : golden_cases())
     for (auto a : {AttnImpl::kAbsorb, AttnImpl::kNaive})
-      for (int k = 0; k < 3; ++k) v.push_back({c, a, k});
+      for (int k = 0; k < 4; ++k) v.push_back({c, a, k});
   return v;
 }
 
@@ -362,8 +448,9 @@ TEST_P(CudaGolden, EveryStepMatchesFp32Logits) {
   REQUIRE_GPU();
   const GoldenParam& p = GetParam();
   CudaOptions o;
-  if (p.variant == 1) o.graphs = false, o.pdl = false, o.gemv_max = 0;
-  if (p.variant == 2) o.fast = true;
+  if (p.variant == 1) o.graphs = false, o.pdl = false, o.gemv_max = 0, o.tc_min = 1 << 30;
+  if (p.variant == 2) o.fast = true, o.fast_min = 16;  // the golden prefills (28 tokens) in fast mode
+  if (p.variant == 3) o.graphs = false, o.gemv_max = 0, o.tc_min = 1;
   SafetensorsFile g(case_dir(p.name) + "/golden.safetensors");
   ModelOptions mo;
   mo.attn = p.attn;
@@ -413,7 +500,8 @@ TEST_P(CudaGolden, PrefixLogitsMatch) {
   const GoldenParam& p = GetParam();
   if (p.variant == 2) GTEST_SKIP() << "covered by the step test";
   CudaOptions o;
-  if (p.variant == 1) o.graphs = false, o.pdl = false, o.gemv_max = 0;
+  if (p.variant == 1) o.graphs = false, o.pdl = false, o.gemv_max = 0, o.tc_min = 1 << 30;
+  if (p.variant == 3) o.graphs = false, o.gemv_max = 0, o.tc_min = 1;
   SafetensorsFile g(case_dir(p.name) + "/golden.safetensors");
   TensorView prefix = g.get("prefix_tokens"), want = g.get("prefix_logits_fp32");
   const int L = int(prefix.dim(1));

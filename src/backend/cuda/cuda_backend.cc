@@ -41,6 +41,9 @@ CudaOptions CudaOptions::from_env() {
   o.cublas = env_flag("DSV3_CUDA_CUBLAS", o.cublas);
   o.gemv_max = env_int("DSV3_CUDA_GEMV_MAX", o.gemv_max);
   o.graph_max = env_int("DSV3_CUDA_GRAPH_MAX", o.graph_max);
+  o.tc_min = env_int("DSV3_CUDA_TC_MIN", o.tc_min);
+  o.fast_min = env_int("DSV3_CUDA_FAST_MIN", o.fast_min);
+  o.tc_tm = env_int("DSV3_CUDA_TC_TM", o.tc_tm);
   o.profile = env_flag("DSV3_CUDA_PROFILE", o.profile);
   return o;
 }
@@ -140,10 +143,11 @@ struct MoeTable {
   int64_t rows2 = 0;          // w2.rows (dim)
   int32_t wtype = cuda::kBF16;
   bool gemm = false;          // every expert fits the tensor-core kernel
+  bool tc = false;            // every expert fits the pipelined bf16 kernel (tc_ok)
 };
 
 enum Slot {
-  kTok, kPos, kH, kH2, kS, kPart, kMl, kLat, kKvb, kLogits, kSched, kMoeH, kMoeO, kHi, kLo, kCublasWs, kTopk,
+  kTok, kPos, kH, kH2, kS, kPart, kMl, kLat, kKvb, kLogits, kSched, kMoeH, kMoeO, kHi, kLo, kHi2, kLo2, kSplitK, kCublasWs, kTopk,
   kNumSlots
 };
 
@@ -163,6 +167,10 @@ class CudaBackend final : public Backend {
     CK(cudaMalloc(&counter_, sizeof(unsigned)));
     CK(cudaMemset(counter_, 0, sizeof(unsigned)));
     CK(cudaEventCreateWithFlags(&staging_done_, cudaEventDisableTiming));
+    // cuBLAS (prefill attention, optional dense GEMMs) set up now: never during graph capture.
+    CB(cublasCreate(&cublas_));
+    CB(cublasSetStream(cublas_, stream_));
+    CB(cublasSetWorkspace(cublas_, scratch(kCublasWs, 32 << 20), 32 << 20));
   }
 
   ~CudaBackend() override {
@@ -407,7 +415,9 @@ class CudaBackend final : public Backend {
     flush_add();
     if (opt_.profile) mark(str("linear ", w.out(), "x", w.in(), " ", dtype_name(w.weight.dtype)));
     // Attention projections and the head stay float32-grade in fast mode too: their errors
-    // reach every later token through the cache. Fast mode is for the MLPs and experts.
+    // reach every later token through the cache (with bf16 activations here as well, the golden
+    // cases' max error exceeds the reference's own bf16 row: measured). Fast mode is for the
+    // MLPs, experts and the attention core.
     run_linear(dev_linear(w), x, n, y, w.out(), /*exact=*/true);
   }
 
@@ -416,6 +426,19 @@ class CudaBackend final : public Backend {
     const int64_t inter = w1.rows, D = w2.rows;
     flush_add();
     mark("mlp");
+    if (use_tc(n) && cuda::tc_ok(w1) && cuda::tc_ok(w3) && cuda::tc_ok(w2)) {
+      cuda::TcJob j0 = split_input(x, n, D, fast_at(n));
+      j0.w = w1, j0.w3 = w3, j0.swiglu = true, j0.M = n;
+      j0.o_hi = scratch(kHi2, size_t(n * inter) * 2);
+      j0.o_lo = fast_at(n) ? nullptr : scratch(kLo2, size_t(n * inter) * 2);
+      j0.ldo = inter, j0.tm = tile_m(n);
+      cuda::tc_gemm(L_, j0, cuda::tc_tiles(n, j0.tm), inter);
+      cuda::TcJob j1;
+      j1.a_hi = j0.o_hi, j1.a_lo = j0.o_lo, j1.lda = inter, j1.w = w2, j1.M = n, j1.c = y, j1.ldc = D;
+      j1.tm = j0.tm;
+      cuda::tc_gemm(L_, j1, cuda::tc_tiles(n, j1.tm), D);
+      return;
+    }
     if (n <= opt_.gemv_max || !cuda::gemm_ok(w1) || !cuda::gemm_ok(w2)) {
       float* h = f32(kH, size_t(n * inter));
       cuda::gemv(L_, w1, &w3, x, w1.cols, nullptr, n, h, inter);
@@ -423,8 +446,8 @@ class CudaBackend final : public Backend {
       return;
     }
     float* h = f32(kH, size_t(n * 2 * inter));  // [n, w1 x | w3 x]
-    cuda::gemm(L_, w1, &w3, inter, x, w1.cols, nullptr, false, 0, n, h, 2 * inter, opt_.fast);
-    cuda::gemm(L_, w2, nullptr, 0, h, 2 * inter, nullptr, true, inter, n, y, D, opt_.fast);
+    cuda::gemm(L_, w1, &w3, inter, x, w1.cols, nullptr, false, 0, n, h, 2 * inter, fast_at(n));
+    cuda::gemm(L_, w2, nullptr, 0, h, 2 * inter, nullptr, true, inter, n, y, D, fast_at(n));
   }
 
   void moe(const ModelArgs& a, const MoEWeights& w, const float* x, int64_t n, float* y) override {
@@ -435,12 +458,14 @@ class CudaBackend final : public Backend {
     // Gate logits [n, E] in float32, then the device router.
     float* logits = f32(kLogits, size_t(n * E));
     cuda::MoeSched s = sched(n, E, K, T.S);
+    const bool tc = use_tc(n) && T.tc;
+    if (tc) s.tile_rows = tile_m(n);
     cuda::RouteArgs r;
     r.E = E, r.K = K, r.G = a.n_expert_groups, r.topk_groups = a.n_limited_groups;
     r.sigmoid = a.score_func != "softmax", r.norm = a.norm_topk_prob, r.route_scale = a.route_scale;
     const float* bias = w.bias.empty() ? nullptr : w.bias.as<float>();
     const DevLinear gate = dev_linear(Linear{w.gate, {}});
-    if (n <= std::min(opt_.gemv_max, 8) && gate.t != cuda::kFP8) {
+    if (n <= std::min(opt_.gemv_max, 8) && gate.t != cuda::kFP8 && !(use_tc(n) && cuda::tc_ok(gate))) {
       cuda::gate_route(L_, gate, x, n, logits, r, bias, s, counter_);
     } else {
       run_linear(gate, x, n, logits, E, /*exact=*/true);  // routing: no bf16 shortcut
@@ -450,14 +475,28 @@ class CudaBackend final : public Backend {
     mark("moe.experts");
     const int64_t P = s.P(), D = a.dim;
     float* o = f32(kMoeO, size_t(P * D));
-    if (n <= opt_.gemv_max || !T.gemm) {
+    if (tc) {
+      cuda::TcJob j0 = split_input(x, n, D, fast_at(n));
+      j0.tm = s.tile_rows;
+      j0.grouped = true, j0.experts = T.dev, j0.a_idx = s.perm;
+      j0.cnt = s.cnt, j0.off = s.off, j0.tile_e = s.tile_e, j0.tile_m0 = s.tile_m0, j0.n_tiles = s.n_tiles;
+      cuda::TcJob j1 = j0;
+      j0.stage = 0, j0.swiglu = true;
+      j0.o_hi = scratch(kHi2, size_t(P * T.rows13) * 2);
+      j0.o_lo = fast_at(n) ? nullptr : scratch(kLo2, size_t(P * T.rows13) * 2);
+      j0.ldo = T.rows13;
+      cuda::tc_gemm(L_, j0, s.max_tiles(), T.rows13);
+      j1.stage = 1, j1.a_idx = nullptr, j1.a_hi = j0.o_hi, j1.a_lo = j0.o_lo, j1.lda = T.rows13;
+      j1.c = o, j1.ldc = D;
+      cuda::tc_gemm(L_, j1, s.max_tiles(), T.rows2);
+    } else if (n <= opt_.gemv_max || !T.gemm) {
       float* h = f32(kMoeH, size_t(P * T.rows13));
       cuda::moe_gemv(L_, 0, T.dev, T.rows13, T.wtype, s, x, D, h, T.rows13);
       cuda::moe_gemv(L_, 1, T.dev, T.rows2, T.wtype, s, h, T.rows13, o, D);
     } else {
       float* h = f32(kMoeH, size_t(P * 2 * T.rows13));
-      cuda::moe_gemm(L_, 0, T.dev, T.rows13, T.wtype, s, x, D, T.rows13, h, 2 * T.rows13, opt_.fast);
-      cuda::moe_gemm(L_, 1, T.dev, T.rows2, T.wtype, s, h, 2 * T.rows13, T.rows13, o, D, opt_.fast);
+      cuda::moe_gemm(L_, 0, T.dev, T.rows13, T.wtype, s, x, D, T.rows13, h, 2 * T.rows13, fast_at(n));
+      cuda::moe_gemm(L_, 1, T.dev, T.rows2, T.wtype, s, h, 2 * T.rows13, T.rows13, o, D, fast_at(n));
     }
     // The weighted un-permute waits for the next op: the layer loop adds y to the residual and
     // normalises, and that fuses (see rmsnorm).
@@ -480,27 +519,46 @@ class CudaBackend final : public Backend {
     flush_add();
     mark("mla.prep");
     if (impl == AttnImpl::kAbsorb) {
-      float* qa = f32(kLat, size_t(n * H * C));
-      if (nope <= 128) {
-        cuda::mla_prep_qabs(L_, d, pos, n, q, kv, w.kv_norm.as<float>(), cs, cache.kv, cache.pe, wkv_b, qa);
-      } else {
+      std::vector<std::pair<int64_t, int64_t>> runs;
+      if (use_tc(n)) runs = token_runs(tp, n);
+      if (!runs.empty()) {
         cuda::mla_prep(L_, d, false, pos, n, q, kv, w.kv_norm.as<float>(), cs, cache.kv, cache.pe, nullptr, nullptr);
-        mark("mla.qabs");
-        cuda::mla_qabs(L_, d, wkv_b, q, n, qa);
+        mla_runs(d, pos, runs, tp, n, q, cache, wkv_b, S, out);
+        return;
       }
-      mark("mla.scores");
-      cuda::mla_scores(L_, d, pos, n, qa, q, cache.kv, cache.pe, S);
-      mark("mla.values");
-      const int ns = cuda::mla_splits(d, n);
       float* ol = f32(kKvb, size_t(n * H * C));
-      float* part = ns > 1 ? f32(kPart, size_t(ns * n * H * C)) : nullptr;
-      float* ml = ns > 1 ? f32(kMl, size_t(ns * n * H * 2)) : nullptr;
-      cuda::mla_values(L_, d, pos, n, S, cache.kv, ns, part, ml, ol);
+      {
+        float* qa = f32(kLat, size_t(n * H * C));
+        if (nope <= 128) {
+          cuda::mla_prep_qabs(L_, d, pos, n, q, kv, w.kv_norm.as<float>(), cs, cache.kv, cache.pe, wkv_b, qa);
+        } else {
+          cuda::mla_prep(L_, d, false, pos, n, q, kv, w.kv_norm.as<float>(), cs, cache.kv, cache.pe, nullptr,
+                         nullptr);
+          mark("mla.qabs");
+          cuda::mla_qabs(L_, d, wkv_b, q, n, qa);
+        }
+        mark("mla.scores");
+        cuda::mla_scores(L_, d, pos, n, qa, q, cache.kv, cache.pe, S);
+        mark("mla.values");
+        const int ns = cuda::mla_splits(d, n);
+        float* part = ns > 1 ? f32(kPart, size_t(ns * n * H * C)) : nullptr;
+        float* ml = ns > 1 ? f32(kMl, size_t(ns * n * H * 2)) : nullptr;
+        cuda::mla_values(L_, d, pos, n, S, cache.kv, ns, part, ml, ol);
+      }
       // out[i, h*V + v] = ol[i, h, :] · wkv_b[h*(nope+V) + nope + v, :], a GEMV per head.
       mark("mla.out");
       const DevLinear wv = slice(wkv_b, nope, V, 0, C);
       cuda::GemvShift sh;
       sh.xs = C, sh.ys = V, sh.wrows = nope + V;
+      if (use_tc(n) && cuda::tc_ok(wv)) {
+        cuda::TcJob j;
+        j.a_hi = scratch(kHi2, size_t(n * H * C) * 2);
+        j.a_lo = scratch(kLo2, size_t(n * H * C) * 2);
+        cuda::split_rows(L_, ol, n * H, C, C, const_cast<void*>(j.a_hi), const_cast<void*>(j.a_lo));
+        j.lda = H * C, j.w = wv, j.M = n, j.c = out, j.ldc = H * V, j.shift = sh, j.tm = tile_m(n);
+        cuda::tc_gemm(L_, j, cuda::tc_tiles(n, j.tm), V, int(H));
+        return;
+      }
       const bool tc = n > opt_.gemv_max && wv.t != cuda::kF32 && cuda::gemm_ok(wv) &&
                       (wv.t != cuda::kFP8 || (nope + V) % 128 == 0);
       if (tc) cuda::gemm(L_, wv, nullptr, 0, ol, H * C, nullptr, false, 0, n, out, H * V, false, int(H), sh);
@@ -713,10 +771,12 @@ class CudaBackend final : public Backend {
     }
     T.wtype = v[0].w1.t;
     T.gemm = true;
+    T.tc = true;
     for (DevExpert& e : v) {
       for (const DevLinear* l : {&e.w1, &e.w3, &e.w2}) {
         if (l->t != T.wtype) fail("CUDA backend: MoE layer mixes weight dtypes");
         T.gemm = T.gemm && cuda::gemm_ok(*l) && l->t != cuda::kF32;
+        T.tc = T.tc && cuda::tc_ok(*l);
       }
       e.vec13 = cuda::vec_ok(e.w1) && cuda::vec_ok(e.w3);
       e.vec2 = cuda::vec_ok(e.w2);
@@ -730,8 +790,19 @@ class CudaBackend final : public Backend {
 
   // y[n, out] = x[n, in] · Wᵀ.
   void run_linear(const DevLinear& w, const float* x, int64_t n, float* y, int64_t ldy, bool exact = false) {
-    const bool fast = opt_.fast && !exact;
-    if (n <= opt_.gemv_max || w.t == cuda::kF32 || !cuda::gemm_ok(w)) {
+    const bool fast = fast_at(n) && !exact;
+    if (use_tc(n) && cuda::tc_ok(w)) {
+      cuda::TcJob j = split_input(x, n, w.cols, fast);
+      j.w = w, j.M = n, j.c = y, j.ldc = ldy;
+      // Few output tiles (the gate, wkv_a): split K so every SM gets work.
+      j.tm = tile_m(n);
+      const int64_t tiles = cuda::tc_out_tiles(n, w.rows, false, j.tm), ksteps = w.cols / 32;
+      if (tiles < 132 && ksteps >= 16) {
+        j.splits = int(std::min<int64_t>(ksteps / 8, (264 + tiles - 1) / tiles));
+        if (j.splits > 1) j.ws = f32(kSplitK, size_t(j.splits * n * w.rows));
+      }
+      cuda::tc_gemm(L_, j, cuda::tc_tiles(n, j.tm), w.rows);
+    } else if (n <= opt_.gemv_max || w.t == cuda::kF32 || !cuda::gemm_ok(w)) {
       cuda::gemv(L_, w, nullptr, x, w.cols, nullptr, n, y, ldy);
     } else if (opt_.cublas && w.t == cuda::kBF16 && n >= 128 && w.row0 == 0 && w.col0 == 0 && w.ld == w.cols &&
                !capturing_) {
@@ -741,12 +812,75 @@ class CudaBackend final : public Backend {
     }
   }
 
-  void cublas_linear(const DevLinear& w, const float* x, int64_t n, float* y, int64_t ldy, bool fast) {
-    if (!cublas_) {
-      CB(cublasCreate(&cublas_));
-      CB(cublasSetStream(cublas_, stream_));
-      CB(cublasSetWorkspace(cublas_, scratch(kCublasWs, 32 << 20), 32 << 20));
+  bool use_tc(int64_t n) const { return n >= opt_.tc_min; }
+  // 64-row tiles unless asked: on the H200 the 128-row form (64x64 per warp) measured slower for
+  // the 16B shape's prefill (24.6k against 28.0k tok/s in fast mode).
+  int tile_m(int64_t) const { return opt_.tc_tm == 128 ? 128 : 64; }
+  // Fast mode's bf16 activations for products of prefill size only: decode is bound by the weight
+  // reads, so one bf16 pass would gain nothing there and its errors would reach every step.
+  bool fast_at(int64_t n) const { return opt_.fast && n >= opt_.fast_min; }
+
+  // A job whose A operand is x [n, cols] split into bf16 hi (+ lo unless fast) in kHi / kLo.
+  cuda::TcJob split_input(const float* x, int64_t n, int64_t cols, bool fast) {
+    cuda::TcJob j;
+    j.a_hi = scratch(kHi, size_t(n * cols) * 2);
+    j.a_lo = fast ? nullptr : scratch(kLo, size_t(n * cols) * 2);
+    j.lda = cols;
+    cuda::split_rows(L_, x, n, cols, cols, const_cast<void*>(j.a_hi), const_cast<void*>(j.a_lo));
+    return j;
+  }
+
+  // Runs of tokens of one slot at consecutive positions; empty when there are too many (the
+  // cuBLAS attention pays per run).
+  std::vector<std::pair<int64_t, int64_t>> token_runs(const TokenPos* tp, int64_t n) const {
+    std::vector<std::pair<int64_t, int64_t>> runs;
+    for (int64_t i = 0; i < n; ++i) {
+      if (i > 0 && tp[i].slot == tp[i - 1].slot && tp[i].pos == tp[i - 1].pos + 1) runs.back().second = i + 1;
+      else runs.push_back({i, i + 1});
     }
+    if (int64_t(runs.size()) * 32 > n) runs.clear();
+    return runs;
+  }
+
+  // MLA for long runs of a slot (prefill) over the latent cache: K/V of the run's positions
+  // [0, end) decompressed through wkv_b (as the naive form; 192 + 128 multiply-adds per
+  // (query, key, head) instead of the absorbed form's 1088), then per head cuBLAS GEMMs for the
+  // scores (nope part batched over heads, rope part shared), a causal softmax and the values,
+  // in chunks of 512 queries. Float32 GEMMs (TF32 tensor cores in fast mode). out [n, H * V].
+  void mla_runs(const cuda::MlaDims& d, const DevPos* pos, const std::vector<std::pair<int64_t, int64_t>>& runs,
+                const TokenPos* tp, int64_t tp_n, const float* q, const LayerCache& cache, const DevLinear& wkv_b,
+                float* S, float* out) {
+    const int64_t H = d.H, C = d.C, R = d.R, nope = d.nope, V = d.V, qk = nope + R, ML = d.max_len, KV = nope + V;
+    const cublasComputeType_t ct = fast_at(tp_n) ? CUBLAS_COMPUTE_32F_FAST_TF32 : CUBLAS_COMPUTE_32F;
+    const float one = 1.f, zero = 0.f, scale = d.scale;
+    for (auto [r0, r1] : runs) {
+      const int64_t slot = tp[r0].slot, end = tp[r1 - 1].pos + 1;
+      const float* kvs = cache.kv + slot * ML * C;
+      const float* pes = cache.pe + slot * ML * R;
+      mark("mla.expand");
+      float* kvb = f32(kKvb, size_t(end * H * KV));  // [end, H, nope + V]
+      run_linear(wkv_b, kvs, end, kvb, H * KV, /*exact=*/true);
+      mark("mla.attn");
+      for (int64_t c0 = r0; c0 < r1; c0 += 512) {
+        const int64_t c1 = std::min(r1, c0 + 512), Lk = tp[c1 - 1].pos + 1, m = c1 - c0;
+        float* Sc = S + c0 * H * ML;
+        // S[i, h, t] = scale * (q_nope[i, h] · k_nope[t, h] + q_pe[i, h] · pe[t])
+        CB(cublasGemmStridedBatchedEx(cublas_, CUBLAS_OP_T, CUBLAS_OP_N, int(Lk), int(m), int(nope), &scale, kvb,
+                                      CUDA_R_32F, int(H * KV), KV, q + c0 * H * qk, CUDA_R_32F, int(H * qk), qk, &zero,
+                                      Sc, CUDA_R_32F, int(H * ML), ML, int(H), ct, CUBLAS_GEMM_DEFAULT));
+        CB(cublasGemmEx(cublas_, CUBLAS_OP_T, CUBLAS_OP_N, int(Lk), int(m * H), int(R), &scale, pes, CUDA_R_32F, int(R),
+                        q + c0 * H * qk + nope, CUDA_R_32F, int(qk), &one, Sc, CUDA_R_32F, int(ML), ct,
+                        CUBLAS_GEMM_DEFAULT));
+        cuda::causal_softmax_rows(L_, Sc, m * H, ML, Lk, pos, c0, int(H));
+        // out[i, h*V + v] = sum_t P[i, h, t] * v[t, h, v]
+        CB(cublasGemmStridedBatchedEx(cublas_, CUBLAS_OP_N, CUBLAS_OP_N, int(V), int(m), int(Lk), &one, kvb + nope,
+                                      CUDA_R_32F, int(H * KV), KV, Sc, CUDA_R_32F, int(H * ML), ML, &zero,
+                                      out + c0 * H * V, CUDA_R_32F, int(H * V), V, int(H), ct, CUBLAS_GEMM_DEFAULT));
+      }
+    }
+  }
+
+  void cublas_linear(const DevLinear& w, const float* x, int64_t n, float* y, int64_t ldy, bool fast) {
     const int64_t in = w.cols, out = w.rows;
     void* hi = scratch(kHi, size_t(n * in) * 2);
     void* lo = fast ? nullptr : scratch(kLo, size_t(n * in) * 2);

@@ -11,10 +11,16 @@ namespace dsv3 {
 struct CudaOptions {
   bool graphs = true;   // record decode steps as CUDA graphs and replay them (DSV3_CUDA_GRAPH=0: off)
   bool pdl = true;      // programmatic dependent launch between kernels (DSV3_CUDA_PDL=0: off)
-  bool fast = false;    // one bf16 pass for activations in the MLP/expert tensor-core GEMMs
-                        // (DSV3_CUDA_FAST=1); default: bf16 hi + lo parts, float32-grade results
+  bool fast = false;    // bf16 activations (one pass) in the MLP/expert tensor-core GEMMs, TF32 in the
+                        // long-run attention GEMMs (DSV3_CUDA_FAST=1); default: bf16 hi + lo parts
+                        // and float32 attention, float32-grade results
+  int tc_tm = 64;       // rows per tile of the pipelined kernel: 64 or 128 (DSV3_CUDA_TC_TM)
+  int fast_min = 64;    // fast mode only for steps of at least this many tokens (DSV3_CUDA_FAST_MIN)
   bool cublas = false;  // bf16 dense GEMMs through cuBLAS for many tokens (DSV3_CUDA_CUBLAS=1)
   int gemv_max = 8;     // the GEMV kernels up to this many tokens, tensor cores above (DSV3_CUDA_GEMV_MAX)
+  int tc_min = 8;       // from this many tokens: the pipelined bf16 GEMM (kernels_tc.cu) for bf16 weights
+                        // (before the GEMV/WMMA choice) and, for long runs of one slot, cuBLAS
+                        // attention over decompressed K/V (DSV3_CUDA_TC_MIN)
   int graph_max = 16;   // steps of up to this many tokens are recorded (DSV3_CUDA_GRAPH_MAX)
   bool profile = false; // time every op and kernel group with events, graphs off (DSV3_CUDA_PROFILE=1)
   // FP8 weights are always dequantised inside the kernels (no FP8 tensor-core path yet), which is

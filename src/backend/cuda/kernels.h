@@ -85,6 +85,60 @@ void gemm(const Launch& L, const DevLinear& w0, const DevLinear* w1, int64_t col
           const int32_t* idx, bool silu_pair, int64_t pair_off, int64_t M, float* c, int64_t ldc, bool fast,
           int batch = 1, GemvShift shift = {});
 
+// ---- pipelined tensor-core GEMM on bf16 operands (kernels_tc.cu)
+// Whether a bf16 weight (rectangle) suits tc_gemm: cols a multiple of 32, 16-byte aligned rows.
+bool tc_ok(const DevLinear& w);
+// C = A · Wᵀ with A in bf16 (a_hi, plus a_lo = the rounding of the remainder when given: float32-
+// grade products), float32 accumulation. Row i of A is a_hi + (a_idx ? a_idx[i] : i) * lda.
+// Plain: rows i < M with weight w (and w3 for SwiGLU). Grouped: every active expert of a MoE
+// stage, rows = pair rows of the router's tile table, weights from `experts` (stage 0: w1/w3,
+// stage 1: w2), a_idx = the pair -> token map for stage 0.
+// Output: C[i, col + r] (float32, ldc), or with swiglu out[i, r] = silu(A_i·w1[r]) * (A_i·w3[r])
+// as bf16 hi (+ lo) [*, ldo] — the next product's split input.
+// `shift` runs `batch` independent copies (grid z, attention heads): A by xs, C by ys elements,
+// weight rows by wrows.
+struct TcJob {
+  const void* a_hi = nullptr;
+  const void* a_lo = nullptr;
+  int64_t lda = 0;
+  const int32_t* a_idx = nullptr;
+  bool grouped = false;
+  int stage = 0;
+  const DevExpert* experts = nullptr;
+  DevLinear w, w3;
+  int64_t M = 0;
+  bool swiglu = false;
+  float* c = nullptr;
+  int64_t ldc = 0, col = 0;
+  void* o_hi = nullptr;
+  void* o_lo = nullptr;
+  int64_t ldo = 0;
+  GemvShift shift;
+  // grouped: the router's schedule (copied by value; pointers into device memory)
+  const int32_t* cnt = nullptr;
+  const int32_t* off = nullptr;
+  const int32_t* tile_e = nullptr;
+  const int32_t* tile_m0 = nullptr;
+  const int32_t* n_tiles = nullptr;
+  // split-K (plain float32 output, batch 1): `splits` partial products into ws [splits, M, rows],
+  // summed in a second pass (deterministic); for weights with few row tiles
+  int splits = 1;
+  float* ws = nullptr;
+  int tm = 64;  // rows per tile: 64 or 128 (grouped: must match the schedule's tile_rows)
+};
+// Output tiles of a plain job (occupancy: split-K pays below ~2 tiles per SM).
+int64_t tc_out_tiles(int64_t M, int64_t N, bool swiglu, int tm);
+// grid_m: M tiles (tc_tiles(M, tm)) or, grouped, the schedule's max_tiles(); max_n: largest weight rows.
+void tc_gemm(const Launch& L, const TcJob& j, int64_t grid_m, int64_t max_n, int batch = 1);
+int64_t tc_tiles(int64_t M, int tm);
+// hi = bf16(x), lo = bf16(x - hi) (lo may be null) for `rows` rows of `cols` floats `ldx` apart,
+// written densely [rows, cols].
+void split_rows(const Launch& L, const float* x, int64_t rows, int64_t cols, int64_t ldx, void* hi, void* lo);
+// Causal softmax of attention score rows: row r (< rows) belongs to token i0 + r / H, whose
+// position p gives its length p + 1; S[r, t] for t < len becomes the softmax, t in [len, Lk) 0.
+void causal_softmax_rows(const Launch& L, float* S, int64_t rows, int64_t ld, int64_t Lk, const DevPos* pos,
+                         int64_t i0, int H);
+
 // ---- MoE (kernels_moe.cu)
 // Routing and the grouping of (token, expert) pairs by expert, all on the device.
 // "Experts" are the E routed ones followed by S slices of the shared experts that every token
@@ -97,11 +151,12 @@ struct MoeSched {
   int32_t* perm = nullptr;     // [P] token of each pair row
   int32_t* pair_of = nullptr;  // [n, K + S] pair row of each (token, choice), routed ones by expert index
   float* pw = nullptr;         // [n, K + S] routing weight of each (token, choice)
-  int32_t* tile_e = nullptr;   // [max_tiles] expert of each 64-row GEMM tile
+  int32_t* tile_e = nullptr;   // [max_tiles] expert of each GEMM tile (tile_rows rows)
   int32_t* tile_m0 = nullptr;  // [max_tiles] first row (within the expert) of each tile
   int32_t* n_tiles = nullptr;  // [1]
   int64_t n = 0;
   int E = 0, K = 0, S = 0;
+  int tile_rows = 64;          // rows per GEMM tile (64, or 128 for tc_gemm's large tiles)
   DSV3_HD int NE() const { return E + S; }
   DSV3_HD int64_t P() const { return n * (K + S); }
   DSV3_HD int64_t max_tiles() const { return (P() + 63) / 64 + NE(); }

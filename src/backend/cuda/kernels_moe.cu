@@ -57,10 +57,37 @@ __global__ void combine_kernel(MoeSched s, const float* __restrict__ o, int64_t 
   }
 }
 
+// Four consecutive floats at p (only the first `rem` when fewer remain; V4: one aligned float4).
+template <bool V4>
+__device__ __forceinline__ float4 load4(const float* p, int64_t rem) {
+  if (V4) return *reinterpret_cast<const float4*>(p);
+  float4 v = make_float4(0.f, 0.f, 0.f, 0.f);
+  if (rem > 0) v.x = p[0];
+  if (rem > 1) v.y = p[1];
+  if (rem > 2) v.z = p[2];
+  if (rem > 3) v.w = p[3];
+  return v;
+}
+template <bool V4>
+__device__ __forceinline__ void store4(float* p, int64_t rem, float4 v) {
+  if (V4) {
+    *reinterpret_cast<float4*>(p) = v;
+    return;
+  }
+  if (rem > 0) p[0] = v.x;
+  if (rem > 1) p[1] = v.y;
+  if (rem > 2) p[2] = v.z;
+  if (rem > 3) p[3] = v.w;
+}
+
 // combine_kernel's sum for token i, then h[i] += it and x[i] = rmsnorm(h[i]) * w (the MoE
 // output, the residual add and the next layer's norm in one pass); y[i] gets the MoE output too.
-__global__ void combine_add_rmsnorm_kernel(MoeSched s, const float* __restrict__ o, int64_t d, float* __restrict__ y,
-                                           float* h, const float* __restrict__ w, float eps, float* x) {
+// Each thread takes four consecutive columns at a time (float4 when V4: d % 4 == 0 and aligned)
+// and has 8 pair rows' loads in flight.
+template <bool V4>
+__global__ void __launch_bounds__(1024) combine_add_rmsnorm_kernel(MoeSched s, const float* __restrict__ o, int64_t d,
+                                                                   float* __restrict__ y, float* h,
+                                                                   const float* __restrict__ w, float eps, float* x) {
   __shared__ int64_t po[kMaxK + 16];
   __shared__ float pw[kMaxK + 16];
   __shared__ float red[33];
@@ -74,32 +101,50 @@ __global__ void combine_add_rmsnorm_kernel(MoeSched s, const float* __restrict__
   }
   __syncthreads();
   float ss = 0.f;
-  for (int64_t c = threadIdx.x; c < d; c += blockDim.x) {
-    float v[kMaxK + 16];
+  for (int64_t c = int64_t(threadIdx.x) * 4; c < d; c += int64_t(blockDim.x) * 4) {
+    const int64_t rem = d - c;
+    float4 r = make_float4(0.f, 0.f, 0.f, 0.f), sh = r;
+    for (int k0 = 0; k0 < Kt; k0 += 8) {
+      float4 v[8];
 #pragma unroll
-    for (int k = 0; k < kMaxK + 16; ++k)
-      if (k < Kt) v[k] = o[po[k] + c];
-    float r = 0.f, sh = 0.f;
+      for (int u = 0; u < 8; ++u)
+        if (k0 + u < Kt) v[u] = load4<V4>(o + po[k0 + u] + c, rem);
 #pragma unroll
-    for (int k = 0; k < kMaxK + 16; ++k) {
-      if (k < K) r += v[k] * pw[k];
-      else if (k < Kt) sh += v[k];
+      for (int u = 0; u < 8; ++u) {
+        const int k = k0 + u;
+        if (k < K) {
+          r.x += v[u].x * pw[k], r.y += v[u].y * pw[k], r.z += v[u].z * pw[k], r.w += v[u].w * pw[k];
+        } else if (k < Kt) {
+          sh.x += v[u].x, sh.y += v[u].y, sh.z += v[u].z, sh.w += v[u].w;
+        }
+      }
     }
-    const float m = r + sh, hv = h[i * d + c] + m;
-    y[i * d + c] = m;
-    h[i * d + c] = hv;
-    ss += hv * hv;
+    const float4 m = make_float4(r.x + sh.x, r.y + sh.y, r.z + sh.z, r.w + sh.w);
+    float4 hv = load4<V4>(h + i * d + c, rem);
+    hv.x += m.x, hv.y += m.y, hv.z += m.z, hv.w += m.w;
+    store4<V4>(y + i * d + c, rem, m);
+    store4<V4>(h + i * d + c, rem, hv);
+    ss += hv.x * hv.x + hv.y * hv.y + hv.z * hv.z + hv.w * hv.w;  // columns past d are 0
   }
   ss = block_sum(ss, red);
   const float rr = 1.f / sqrtf(ss / float(d) + eps);
-  for (int64_t c = threadIdx.x; c < d; c += blockDim.x) x[i * d + c] = h[i * d + c] * rr * w[c];
+  for (int64_t c = int64_t(threadIdx.x) * 4; c < d; c += int64_t(blockDim.x) * 4) {
+    const int64_t rem = d - c;
+    const float4 hv = load4<V4>(h + i * d + c, rem), wv = load4<V4>(w + c, rem);
+    store4<V4>(x + i * d + c, rem, make_float4(hv.x * rr * wv.x, hv.y * rr * wv.y, hv.z * rr * wv.z, hv.w * rr * wv.w));
+  }
 }
 
 }  // namespace
 
 void moe_combine_add_rmsnorm(const Launch& L, const MoeSched& s, const float* o, int64_t d, float* y, float* h,
                              const float* w, float eps, float* x) {
-  launch(L, combine_add_rmsnorm_kernel, dim3(unsigned(s.n)), dim3(256), 0, s, o, d, y, h, w, eps, x);
+  const bool v4 = d % 4 == 0 && ((reinterpret_cast<uintptr_t>(o) | reinterpret_cast<uintptr_t>(y) |
+                                  reinterpret_cast<uintptr_t>(h) | reinterpret_cast<uintptr_t>(w) |
+                                  reinterpret_cast<uintptr_t>(x)) & 15) == 0;
+  const unsigned threads = unsigned(std::clamp<int64_t>((d / 4 + 31) / 32 * 32, 64, 1024));
+  if (v4) launch(L, combine_add_rmsnorm_kernel<true>, dim3(unsigned(s.n)), dim3(threads), 0, s, o, d, y, h, w, eps, x);
+  else launch(L, combine_add_rmsnorm_kernel<false>, dim3(unsigned(s.n)), dim3(threads), 0, s, o, d, y, h, w, eps, x);
 }
 
 void moe_route(const Launch& L, const RouteArgs& r, const float* logits, const float* bias, const MoeSched& s,

@@ -145,7 +145,7 @@ __device__ void group_pairs(const MoeSched& s, bool tiles) {
   if (warp == 0) {
     int base = 0, na = 0, nt = 0;
     for (int e0 = 0; e0 < NE; e0 += 32) {
-      const int e = e0 + lane, c = e < NE ? cnt[e] : 0, tc = tiles ? (c + 63) / 64 : 0;
+      const int e = e0 + lane, c = e < NE ? cnt[e] : 0, tc = tiles ? (c + s.tile_rows - 1) / s.tile_rows : 0;
       int x = c, y = tc;  // inclusive scans over the lanes
 #pragma unroll
       for (int o = 1; o < 32; o <<= 1) {
@@ -155,7 +155,7 @@ __device__ void group_pairs(const MoeSched& s, bool tiles) {
       const unsigned act = __ballot_sync(0xffffffffu, c > 0);
       if (e < NE) off[e] = base + x - c, s.off[e] = base + x - c, s.cnt[e] = c;
       if (c > 0) s.active[na + __popc(act & ((1u << lane) - 1))] = e;
-      for (int j = 0; j < tc; ++j) s.tile_e[nt + y - tc + j] = e, s.tile_m0[nt + y - tc + j] = 64 * j;
+      for (int j = 0; j < tc; ++j) s.tile_e[nt + y - tc + j] = e, s.tile_m0[nt + y - tc + j] = s.tile_rows * j;
       base += __shfl_sync(0xffffffffu, x, 31);
       nt += __shfl_sync(0xffffffffu, y, 31);
       na += __popc(act);
