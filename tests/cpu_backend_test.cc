@@ -8,11 +8,13 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <cstring>
 #include <fstream>
 #include <random>
+#include <thread>
 
 #include <nlohmann/json.hpp>
 
@@ -433,6 +435,9 @@ TEST(CpuBackend, AbsorbedMlaMatchesRef) {
         calls.push_back(pre);
         calls.push_back({{2, 0}, {2, 1}, {2, 2}});
         for (int step = 0; step < 3; ++step) calls.push_back({{0, 21 + step}, {1, 21 + step}, {2, 3 + step}});
+        // Single-token steps (decode at batch 1: the one-token kernels).
+        calls.push_back({{1, 24}});
+        calls.push_back({{2, 6}});
         for (auto& tp : calls) {
           const int64_t n = int64_t(tp.size());
           std::vector<float> q = randn(size_t(n * H * qk), rng), kv = randn(size_t(n * (C + R)), rng);
@@ -445,6 +450,43 @@ TEST(CpuBackend, AbsorbedMlaMatchesRef) {
         EXPECT_LT(rel_err(cpe[0], cpe[1]), 1e-6);
       }
   }
+}
+
+// The pool's workers spin between tasks and sleep after a while: back-to-back regions (the spin
+// path) and regions after a pause (the sleep path) must both cover every index exactly once.
+TEST(CpuThreadPool, BackToBackAndAfterSleepRegionsCoverEveryIndexOnce) {
+  for (int threads : {2, 3, 5}) {
+    ThreadPool pool(threads);
+    for (int round = 0; round < 3; ++round) {
+      for (int call = 0; call < 2000; ++call) {
+        const int64_t n = 1 + call % 11;
+        std::vector<int> hits(size_t(n), 0);
+        pool.parallel_for(n, [&](int64_t b, int64_t e, int) {
+          for (int64_t i = b; i < e; ++i) hits[size_t(i)]++;
+        });
+        for (int h : hits) ASSERT_EQ(h, 1) << "threads " << threads << " n " << n;
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(5));  // past the spin: workers sleep
+    }
+  }
+}
+
+// One-token products are shared out in guided chunks: a wide matrix (many chunks, split at
+// arbitrary 16-row multiples and across FP8 scale blocks) on pools of odd sizes.
+TEST(CpuBackend, OneTokenLinearOnWideMatricesMatchesRef) {
+  std::mt19937 rng(11);
+  for (cpu::Isa isa : isas())
+    for (int threads : {1, 2, 3, 7}) {
+      BackendPair bp(isa, threads);
+      for (DType dt : {DType::F8_E4M3, DType::BF16})
+        for (auto [out, in] : std::vector<std::pair<int64_t, int64_t>>{{2000, 260}, {4099, 129}, {17, 520}}) {
+          OwnedLinear L(dt, out, in, rng);
+          std::vector<float> x = randn(static_cast<size_t>(in), rng), a(static_cast<size_t>(out)), b(static_cast<size_t>(out));
+          bp.cpu->linear(x.data(), 1, L.lin, a.data());
+          bp.ref->linear(x.data(), 1, L.lin, b.data());
+          EXPECT_LT(rel_err(a, b), op_tol(isa)) << cpu::isa_name(isa) << " threads " << threads << " " << out << "x" << in;
+        }
+    }
 }
 
 TEST(CpuBackend, UnknownOrUnsupportedIsaIsAnError) {

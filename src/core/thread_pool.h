@@ -1,6 +1,10 @@
 // One persistent pool of worker threads, sized once; parallel_for splits [0, n) into contiguous
-// chunks. The calling thread works too, so a pool of size 1 runs everything inline.
+// chunks. The calling thread works too, so a pool of size 1 runs everything inline. Between
+// tasks a worker spins briefly before it sleeps (and the caller spins briefly for the workers to
+// finish): a forward pass runs hundreds of short regions back to back, and waking a sleeping
+// thread costs tens of microseconds on a virtual machine.
 #pragma once
+#include <atomic>
 #include <condition_variable>
 #include <exception>
 #include <functional>
@@ -34,13 +38,15 @@ class ThreadPool {
   std::vector<std::thread> threads_;
   std::mutex mu_;
   std::condition_variable cv_work_, cv_done_;
+  // Task parameters: written by the caller before generation_ is bumped (release), read by the
+  // workers after they see it change (acquire).
   const std::function<void(int64_t, int64_t, int)>* task_ = nullptr;
   int64_t n_ = 0, chunk_ = 0;
   int n_chunks_ = 0;
-  uint64_t generation_ = 0;
-  int pending_ = 0;
-  bool stop_ = false;
-  std::exception_ptr worker_err_;
+  alignas(64) std::atomic<uint64_t> generation_{0};
+  alignas(64) std::atomic<int> pending_{0};
+  std::atomic<bool> stop_{false};
+  std::exception_ptr worker_err_;  // under mu_
 };
 
 // Shorthand for ThreadPool::global().parallel_for.

@@ -6,6 +6,7 @@
 #include <sys/mman.h>
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
@@ -13,6 +14,8 @@
 #include <cstring>
 #include <map>
 #include <memory>
+#include <optional>
+#include <string>
 #include <vector>
 
 #include "backend/backend.h"
@@ -30,6 +33,7 @@ using cpu::Isa;
 using cpu::Kernels;
 using cpu::Scratch;
 
+constexpr int64_t kFewTokens = 8;  // up to this many tokens a product streams its weights (decode)
 constexpr size_t kMmapThreshold = size_t(1) << 20;  // bytes; larger buffers come zeroed from mmap
 
 // A float32 vector that grows and never shrinks (workspace).
@@ -51,30 +55,50 @@ struct ExpertJob {
   int64_t inter = 0;
 };
 
-// DSV3_CPU_PROFILE=1: wall time per op kind, printed to stderr when the backend is destroyed.
+// DSV3_CPU_PROFILE=1: wall time per op and per phase of the big ops, separately for one-token
+// calls (decode at batch 1: "1|") and larger ones ("n|"), with the weight bytes each read and, for
+// parallel regions, how long the other threads took to start and how long the first finisher
+// waited for the last. Printed to stderr when the backend is destroyed.
+using Clock = std::chrono::steady_clock;
+inline double secs_since(Clock::time_point t0) { return std::chrono::duration<double>(Clock::now() - t0).count(); }
+
 struct OpProfile {
+  struct Entry {
+    double t = 0, bytes = 0, lag = 0, imbalance = 0;
+    int64_t calls = 0, regions = 0;
+  };
   bool on = false;
-  double t[8] = {};
-  int64_t calls[8] = {};
-  static constexpr const char* kNames[8] = {"linear", "mla", "moe", "mlp", "rmsnorm", "embed", "add", "other"};
+  std::map<std::string, Entry> e;
+  Entry* cur = nullptr;  // the innermost open section (parallel regions report to it)
 };
 
 class OpTimer {
  public:
-  OpTimer(OpProfile& p, int k) : p_(p), k_(k) {
-    if (p_.on) t0_ = std::chrono::steady_clock::now();
+  OpTimer(OpProfile& p, const char* name, int64_t n, double bytes = 0) : p_(p) {
+    if (!p_.on) return;
+    ent_ = &p_.e[std::string(n == 1 ? "1|" : "n|") + name];
+    ent_->bytes += bytes;
+    prev_ = p_.cur;
+    p_.cur = ent_;
+    t0_ = Clock::now();
   }
   ~OpTimer() {
     if (!p_.on) return;
-    p_.t[k_] += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0_).count();
-    ++p_.calls[k_];
+    ent_->t += secs_since(t0_);
+    ++ent_->calls;
+    p_.cur = prev_;
   }
 
  private:
   OpProfile& p_;
-  int k_;
-  std::chrono::steady_clock::time_point t0_;
+  OpProfile::Entry* ent_ = nullptr;
+  OpProfile::Entry* prev_ = nullptr;
+  Clock::time_point t0_;
 };
+
+inline double linear_bytes(const Linear& w) {
+  return double(w.weight.nbytes()) + (w.scale.empty() ? 0.0 : double(w.scale.nbytes()));
+}
 
 struct TileItem {
   int32_t job;
@@ -91,15 +115,7 @@ class CpuBackend final : public Backend {
   }
   ~CpuBackend() override {
     for (auto& [p, n] : mapped_) ::munmap(p, n);
-    if (prof_.on) {
-      double total = 0;
-      for (double v : prof_.t) total += v;
-      std::fprintf(stderr, "cpu backend profile (%s, %d threads):\n", cpu::isa_name(k_.isa), pool_.size());
-      for (int i = 0; i < 8; ++i)
-        if (prof_.calls[i])
-          std::fprintf(stderr, "  %-8s %8.3f s %5.1f%%  %lld calls\n", OpProfile::kNames[i], prof_.t[i],
-                       100 * prof_.t[i] / std::max(total, 1e-12), (long long)prof_.calls[i]);
-    }
+    if (prof_.on) print_profile();
   }
 
   std::string name() const override { return "cpu"; }
@@ -133,35 +149,36 @@ class CpuBackend final : public Backend {
   void download(float* host, const float* src, size_t n) override { std::memcpy(host, src, n * 4); }
 
   void embed(const int32_t* tokens, int64_t n, const TensorView& table, float* y) override {
-    OpTimer tm(prof_, 5);
+    OpTimer tm(prof_, "embed", n);
     const int64_t d = table.dim(1);
     for (int64_t i = 0; i < n; ++i) row_to_f32(table, tokens[i], d, y + i * d);
   }
 
   void rmsnorm(const float* x, int64_t n, int64_t d, int64_t stride, const TensorView& w, float eps,
                float* y) override {
-    OpTimer tm(prof_, 4);
+    OpTimer tm(prof_, "rmsnorm", n);
+    last_n_ = n;
     const float* wf = vec_f32(w, d, norm_w_);
     if (n * d < (1 << 16)) {
       k_.rmsnorm(x, stride, n, d, wf, eps, y, stride);
       return;
     }
-    pool_.parallel_for(n, [&](int64_t b, int64_t e, int) { k_.rmsnorm(x + b * stride, stride, e - b, d, wf, eps, y + b * stride, stride); });
+    par(n, [&](int64_t b, int64_t e, int) { k_.rmsnorm(x + b * stride, stride, e - b, d, wf, eps, y + b * stride, stride); });
   }
 
   void linear(const float* x, int64_t n, const Linear& w, float* y) override {
-    OpTimer tm(prof_, 0);
+    OpTimer tm(prof_, prof_.on ? linear_name(w).c_str() : "", n, linear_bytes(w));
     linear_k(k_, x, n, w, y);
   }
 
   void add(float* y, const float* x, int64_t n) override {
-    OpTimer tm(prof_, 6);
+    OpTimer tm(prof_, "add", last_n_);
     k_.axpy(1.f, x, n, y);
   }
 
   void mla(const ModelArgs& a, AttnImpl impl, const AttnWeights& w, const RopeTable& rope, const TokenPos* tp,
            int64_t n, float* q, float* kv, const LayerCache& cache, int64_t max_len, float* out) override {
-    OpTimer tm(prof_, 1);
+    OpTimer tm(prof_, "mla", n);
     if (impl == AttnImpl::kNaive) {  // the full K/V cache form: the reference implementation
       ref_->mla(a, impl, w, rope, tp, n, q, kv, cache, max_len, out);
       return;
@@ -170,7 +187,7 @@ class CpuBackend final : public Backend {
   }
 
   void mlp(const MLPWeights& w, const float* x, int64_t n, float* y) override {
-    OpTimer tm(prof_, 3);
+    OpTimer tm(prof_, "mlp", n, linear_bytes(w.w1) + linear_bytes(w.w2) + linear_bytes(w.w3));
     jobs_.resize(1);
     ExpertJob& j = jobs_[0];
     j.w = &w;
@@ -179,14 +196,15 @@ class CpuBackend final : public Backend {
     for (int64_t i = 0; i < n; ++i) j.rows[size_t(i)] = int32_t(i);
     j.x = x;
     j.inter = w.w1.out();
-    run_experts(1, x, n, w.w2.out(), y);
+    run_experts(1, x, n, w.w2.out(), y, "mlp");
   }
 
   void moe(const ModelArgs& a, const MoEWeights& w, const float* x, int64_t n, float* y) override {
-    OpTimer tm(prof_, 2);
+    OpTimer tm(prof_, "moe", n);
     const int64_t E = a.n_routed_experts, K = a.n_activated_experts, D = a.dim;
     // Router in float32 (as the reference's float32 path): routing decisions are sensitive.
     float* logits = gate_logits_.get(size_t(n * E));
+    std::optional<OpTimer> ph(std::in_place, prof_, "moe.router", n, double(w.gate.nbytes()));
     linear_k(f32k_, x, n, Linear{w.gate, {}}, logits);
     const float* bias = w.bias.empty() ? nullptr : vec_f32(w.bias, E, bias_);
     idx_.resize(size_t(n * K));
@@ -214,6 +232,7 @@ class CpuBackend final : public Backend {
         j.wts.push_back(wts_[size_t(i * K + k)]);
       }
     routed_run_ += njobs;
+    ph.reset();
     // Gather each routed expert's tokens into one contiguous block.
     int64_t total = 0;
     for (int j = 0; j < njobs; ++j) total += int64_t(jobs_[size_t(j)].rows.size());
@@ -233,13 +252,96 @@ class CpuBackend final : public Backend {
       j.x = x;
       j.inter = j.w->w1.out();
     }
-    run_experts(njobs, x, n, D, y);
+    run_experts(njobs, x, n, D, y, "moe");
   }
 
   int64_t routed_experts_run() const override { return routed_run_; }
   void reset_counters() override { routed_run_ = 0; }
 
  private:
+  static std::string linear_name(const Linear& w) {
+    return "linear " + std::to_string(w.out()) + "x" + std::to_string(w.in()) + " " + dtype_name(w.weight.dtype);
+  }
+
+  // pool_.parallel_for; when profiling, also the other threads' start lag and the spread of the
+  // threads' finishing times, charged to the open section.
+  template <class F>
+  void par(int64_t n, F&& fn) {
+    if (!prof_.on || !prof_.cur) {
+      pool_.parallel_for(n, fn);
+      return;
+    }
+    constexpr int kMax = 64;
+    double start[kMax], end[kMax];
+    bool ran[kMax] = {};
+    const Clock::time_point t0 = Clock::now();
+    pool_.parallel_for(n, [&](int64_t b, int64_t e, int t) {
+      if (t < kMax) start[t] = secs_since(t0);
+      fn(b, e, t);
+      if (t < kMax) end[t] = secs_since(t0), ran[t] = true;
+    });
+    double lag = 0, lo = 1e30, hi = 0;
+    int used = 0;
+    for (int t = 0; t < std::min(kMax, pool_.size()); ++t)
+      if (ran[t]) {
+        ++used;
+        if (t > 0) lag = std::max(lag, start[t]);
+        lo = std::min(lo, end[t]), hi = std::max(hi, end[t]);
+      }
+    ++prof_.cur->regions;
+    if (used > 1) prof_.cur->lag += lag, prof_.cur->imbalance += hi - lo;
+  }
+
+  // Rows [0, n) shared out in chunks that shrink as the work runs out (guided scheduling): a
+  // thread takes ~remaining / (2 x threads) rows, at least `unit`, in multiples of `unit`, from a
+  // shared counter, so a thread that starts late or runs slower (two shared cores) takes fewer
+  // and the threads finish within a small chunk of each other. fn(r0, r1, thread) per chunk.
+  template <class F>
+  void guided(int64_t n, int64_t unit, F&& fn) {
+    if (n <= 0) return;
+    const int threads = pool_.size();
+    if (threads == 1 || n <= unit) {
+      fn(int64_t(0), n, 0);
+      return;
+    }
+    std::atomic<int64_t> next{0};
+    par(threads, [&](int64_t, int64_t, int t) {
+      int64_t b = next.load(std::memory_order_relaxed);
+      for (;;) {
+        if (b >= n) return;
+        const int64_t want = std::max(unit, (n - b) / (2 * threads) / unit * unit);
+        const int64_t e = std::min(n, b + want);
+        if (next.compare_exchange_weak(b, e, std::memory_order_relaxed)) {
+          fn(b, e, t);
+          b = next.load(std::memory_order_relaxed);
+        }
+      }
+    });
+  }
+
+  void print_profile() const {
+    for (const char* pre : {"1|", "n|"}) {
+      double total = 0;
+      for (const auto& [k, v] : prof_.e)
+        if (k.rfind(pre, 0) == 0 && k.find('.') == std::string::npos) total += v.t;
+      if (total == 0) continue;
+      std::fprintf(stderr, "cpu backend profile (%s, %d threads), %s calls: %.3f s in ops\n", cpu::isa_name(k_.isa),
+                   pool_.size(), pre[0] == '1' ? "one-token" : "multi-token", total);
+      std::fprintf(stderr, "  %-28s %9s %6s %8s %9s %7s %8s %8s\n", "op", "s", "%", "calls", "us/call", "GB/s",
+                   "lag us", "imbal us");
+      for (const auto& [k, v] : prof_.e) {
+        if (k.rfind(pre, 0) != 0) continue;
+        const std::string name = k.substr(2);
+        std::fprintf(stderr, "  %-28s %9.4f %6.1f %8lld %9.1f %7.2f %8.1f %8.1f\n",
+                     (name.find('.') == std::string::npos ? name : "  " + name).c_str(), v.t, 100 * v.t / total,
+                     (long long)v.calls, 1e6 * v.t / double(std::max<int64_t>(1, v.calls)),
+                     v.bytes > 0 ? v.bytes / v.t / 1e9 : 0.0,
+                     v.regions ? 1e6 * v.lag / double(v.regions) : 0.0,
+                     v.regions ? 1e6 * v.imbalance / double(v.regions) : 0.0);
+      }
+    }
+  }
+
   Scratch& scratch(int t) {
     while (int(scratch_.size()) <= t) scratch_.push_back(std::make_unique<Scratch>());
     return *scratch_[size_t(t)];
@@ -278,9 +380,14 @@ class CpuBackend final : public Backend {
   void linear_k(const Kernels& k, const float* x, int64_t n, const Linear& w, float* y) {
     ensure_scratch();
     const int64_t out = w.out(), in = w.in();
+    if (n <= kFewTokens) {
+      // Weight streaming (decode): guided chunks of 16-row multiples.
+      guided(out, 16, [&](int64_t r0, int64_t r1, int t) { k.matmul(x, n, in, w, r0, r1 - r0, y + r0, out, scratch(t)); });
+      return;
+    }
     const int threads = pool_.size();
     const int64_t tile = row_tile(out, threads), items = (out + tile - 1) / tile;
-    pool_.parallel_for(items, [&](int64_t b, int64_t e, int t) {
+    par(items, [&](int64_t b, int64_t e, int t) {
       Scratch& s = scratch(t);
       const int64_t r0 = b * tile, r1 = std::min(out, e * tile);
       k.matmul(x, n, in, w, r0, r1 - r0, y + r0, out, s);
@@ -289,7 +396,7 @@ class CpuBackend final : public Backend {
 
   // Experts jobs_[0..njobs): up (w1, w3, activation) over expert x row tiles, then down (w2) over
   // output row tiles, each tile summing its experts' weighted outputs.
-  void run_experts(int njobs, const float* x, int64_t n, int64_t D, float* y) {
+  void run_experts(int njobs, const float* x, int64_t n, int64_t D, float* y, const char* op) {
     ensure_scratch();
     int64_t hsize = 0;
     for (int j = 0; j < njobs; ++j) hsize += int64_t(jobs_[size_t(j)].rows.size()) * jobs_[size_t(j)].inter;
@@ -308,27 +415,55 @@ class CpuBackend final : public Backend {
       const int64_t tile = std::min(job.inter, target);
       for (int64_t r = 0; r < job.inter; r += tile) items_.push_back({j, r, std::min(tile, job.inter - r)});
     }
-    pool_.parallel_for(int64_t(items_.size()), [&](int64_t b, int64_t e, int t) {
-      Scratch& s = scratch(t);
-      for (int64_t it = b; it < e; ++it) {
-        const TileItem& ti = items_[size_t(it)];
-        const ExpertJob& job = jobs_[size_t(ti.job)];
-        const int64_t m = int64_t(job.rows.size());
-        float* h1 = s.get<float>(8, size_t(m * ti.nr));
-        float* h3 = s.get<float>(9, size_t(m * ti.nr));
-        k_.matmul(job.x, m, D, job.w->w1, ti.r0, ti.nr, h1, ti.nr, s);
-        k_.matmul(job.x, m, D, job.w->w3, ti.r0, ti.nr, h3, ti.nr, s);
-        for (int64_t r = 0; r < m; ++r)
-          k_.silu_mul(h1 + r * ti.nr, h3 + r * ti.nr, ti.nr, job.h + r * job.inter + ti.r0);
+    double up_bytes = 0, down_bytes = 0;
+    if (prof_.on)
+      for (int j = 0; j < njobs; ++j) {
+        up_bytes += linear_bytes(jobs_[size_t(j)].w->w1) + linear_bytes(jobs_[size_t(j)].w->w3);
+        down_bytes += linear_bytes(jobs_[size_t(j)].w->w2);
       }
-    });
-    const int64_t tile = row_tile(D, threads), items = (D + tile - 1) / tile;
-    pool_.parallel_for(items, [&](int64_t b, int64_t e, int t) {
-      Scratch& s = scratch(t);
-      const int64_t d0 = b * tile, d1 = std::min(D, e * tile), nd = d1 - d0;
+    std::optional<OpTimer> ph(std::in_place, prof_, (std::string(op) + ".up").c_str(), n, up_bytes);
+    int64_t max_m = 0;
+    for (int j = 0; j < njobs; ++j) max_m = std::max<int64_t>(max_m, int64_t(jobs_[size_t(j)].rows.size()));
+    const bool few = max_m <= kFewTokens;
+    // One tile of the up step: rows [r0, r0 + nr) of w1 and w3 of one job, and the activation.
+    auto up_tile = [&](const ExpertJob& job, int64_t r0, int64_t nr, Scratch& s) {
+      const int64_t m = int64_t(job.rows.size());
+      float* h1 = s.get<float>(8, size_t(m * nr));
+      float* h3 = s.get<float>(9, size_t(m * nr));
+      k_.matmul(job.x, m, D, job.w->w1, r0, nr, h1, nr, s);
+      k_.matmul(job.x, m, D, job.w->w3, r0, nr, h3, nr, s);
+      for (int64_t r = 0; r < m; ++r) k_.silu_mul(h1 + r * nr, h3 + r * nr, nr, job.h + r * job.inter + r0);
+    };
+    if (few) {
+      // Decode: the jobs' rows as one row space, shared out in guided chunks (a chunk may span
+      // the end of one expert and the start of the next).
+      job_row0_.resize(size_t(njobs + 1));
+      job_row0_[0] = 0;
+      for (int j = 0; j < njobs; ++j) job_row0_[size_t(j + 1)] = job_row0_[size_t(j)] + jobs_[size_t(j)].inter;
+      guided(job_row0_[size_t(njobs)], 16, [&](int64_t a, int64_t b, int t) {
+        Scratch& s = scratch(t);
+        int j = int(std::upper_bound(job_row0_.begin(), job_row0_.end(), a) - job_row0_.begin()) - 1;
+        for (; a < b; ++j) {
+          const int64_t base = job_row0_[size_t(j)], e = std::min(b, job_row0_[size_t(j + 1)]);
+          up_tile(jobs_[size_t(j)], a - base, e - a, s);
+          a = e;
+        }
+      });
+    } else {
+      par(int64_t(items_.size()), [&](int64_t b, int64_t e, int t) {
+        Scratch& s = scratch(t);
+        for (int64_t it = b; it < e; ++it) {
+          const TileItem& ti = items_[size_t(it)];
+          up_tile(jobs_[size_t(ti.job)], ti.r0, ti.nr, s);
+        }
+      });
+    }
+    ph.emplace(prof_, (std::string(op) + ".down").c_str(), n, down_bytes);
+    // Output rows [d0, d1): expert outer, rows inner: one call per expert, whose activations are
+    // packed once.
+    auto down_rows = [&](int64_t d0, int64_t d1, Scratch& s) {
+      const int64_t nd = d1 - d0;
       for (int64_t i = 0; i < n; ++i) std::fill(y + i * D + d0, y + i * D + d1, 0.f);
-      // Expert outer, this thread's output rows inner: one call per expert, whose activations are
-      // packed once.
       for (int j = 0; j < njobs; ++j) {
         const ExpertJob& job = jobs_[size_t(j)];
         const int64_t m = int64_t(job.rows.size());
@@ -336,7 +471,13 @@ class CpuBackend final : public Backend {
         k_.matmul(job.h, m, job.inter, job.w->w2, d0, nd, tmp, nd, s);
         for (int64_t r = 0; r < m; ++r) k_.axpy(job.wts[size_t(r)], tmp + r * nd, nd, y + job.rows[size_t(r)] * D + d0);
       }
-    });
+    };
+    if (few) {
+      guided(D, 16, [&](int64_t d0, int64_t d1, int t) { down_rows(d0, d1, scratch(t)); });
+      return;
+    }
+    const int64_t tile = row_tile(D, threads), items = (D + tile - 1) / tile;
+    par(items, [&](int64_t b, int64_t e, int t) { down_rows(b * tile, std::min(D, e * tile), scratch(t)); });
   }
 
   void mla_absorb(const ModelArgs& a, const AttnWeights& w, const RopeTable& rope, const TokenPos* tp, int64_t n,
@@ -347,6 +488,7 @@ class CpuBackend final : public Backend {
     const float scale = a.softmax_scale();
     const float* kv_norm = vec_f32(w.kv_norm, C, kvnorm_w_);
     // RoPE on q_pe and k_pe; kv_norm(latent) and k_pe into the cache at (slot, pos).
+    std::optional<OpTimer> ph(std::in_place, prof_, "mla.rope_cache", n);
     for (int64_t i = 0; i < n; ++i) {
       DSV3_CHECK(tp[i].pos < rope.n_positions(), "position ", tp[i].pos, " past the rope table");
       const float* cs = rope.at(tp[i].pos);
@@ -358,20 +500,23 @@ class CpuBackend final : public Backend {
       std::memcpy(cache.pe + row * R, kvi + C, size_t(R) * 4);
     }
     // q absorbed into the latent space: qa[i, h, :] = q_nope[i, h, :] . wkv_b[h, :nope, :]
+    const double wkv_b_half = linear_bytes(w.wkv_b) / 2;
+    ph.emplace(prof_, "mla.q_absorb", n, wkv_b_half);
     float* qa = qa_.get(size_t(n * H * C));
     float* ol = ol_.get(size_t(n * H * C));
-    pool_.parallel_for(H, [&](int64_t b, int64_t e, int t) {
+    par(H, [&](int64_t b, int64_t e, int t) {
       for (int64_t h = b; h < e; ++h)
         k_.matmul_t(q + h * qk, n, H * qk, w.wkv_b, h * (nope + V), nope, qa + h * C, H * C, scratch(t));
     });
     // Scores over the latent and rope caches, softmax, weighted latent sum: per token and head
     // group (heads share the cache rows: MQA over the latent).
+    ph.emplace(prof_, "mla.attn", n);
     const int threads = pool_.size();
     int64_t G = H;
     while (G % 2 == 0 && n * (H / G) < 2 * threads) G /= 2;
     const int64_t groups = H / G;
     std::memset(ol, 0, size_t(n * H * C) * 4);
-    pool_.parallel_for(n * groups, [&](int64_t b, int64_t e, int t) {
+    par(n * groups, [&](int64_t b, int64_t e, int t) {
       Scratch& s = scratch(t);
       for (int64_t it = b; it < e; ++it) {
         const int64_t i = it / groups, h0 = (it % groups) * G, len = tp[i].pos + 1;
@@ -390,7 +535,8 @@ class CpuBackend final : public Backend {
       }
     });
     // out[i, h, :] = ol[i, h, :] . wkv_b[h, nope:, :]^T
-    pool_.parallel_for(H, [&](int64_t b, int64_t e, int t) {
+    ph.emplace(prof_, "mla.v_out", n, wkv_b_half);
+    par(H, [&](int64_t b, int64_t e, int t) {
       for (int64_t h = b; h < e; ++h)
         k_.matmul(ol + h * C, n, H * C, w.wkv_b, h * (nope + V) + nope, V, out + h * V, H * V, scratch(t));
     });
@@ -407,7 +553,9 @@ class CpuBackend final : public Backend {
   std::vector<float> wts_;
   std::vector<ExpertJob> jobs_;
   std::vector<TileItem> items_;
+  std::vector<int64_t> job_row0_;
   int64_t routed_run_ = 0;
+  int64_t last_n_ = 1;  // tokens of the last rmsnorm (for the profile of add, which sees floats)
   OpProfile prof_;
 };
 

@@ -14,6 +14,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 
 #include "backend/cpu/kernels.h"
@@ -27,6 +28,8 @@ namespace {
 using namespace avx512;
 
 constexpr int64_t kBlock = 128;  // FP8 block size
+
+constexpr size_t kPrefetchBytes = 8192;  // how far ahead the GEMV kernels prefetch weights
 
 inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
@@ -126,17 +129,17 @@ DSV3_AVX512 void pack_x(const float* x, int64_t M, int64_t ldx, int64_t K, const
 // --- direct kernel (few tokens): each 64-weight chunk converted once, used by all M tokens --------------
 // y[m*ldy + r] = sum_k W[r][k] xs[m][k] for R rows (row stride ldw elements) and M tokens.
 template <WT T, int R, int M, int NA, bool kTail>
-DSV3_AVX512_INLINE void mk_direct_step(const char* wb, int64_t ldw, int64_t k0, int64_t n, const float* xs, int64_t ldxs,
-                                       const Fp8Consts& cst, __m512 (&acc)[R][M][NA]) {
+DSV3_AVX512_INLINE void mk_direct_step(const char* wb, int64_t ldw, int64_t pf, int64_t k0, int64_t n, const float* xs,
+                                       int64_t ldxs, const Fp8Consts& cst, __m512 (&acc)[R][M][NA]) {
   constexpr size_t esz = elem_size<T>();
   DSV3_UNROLL
   for (int r = 0; r < R; ++r) {
     __m512 v[4];
-    // The row group after this one, same chunk: R interleaved 2-KB streams are too short for the
+    // A row group `pf` rows ahead, same chunk: R interleaved 2-KB streams are too short for the
     // hardware prefetcher to ramp up on (prefetching past the end is harmless).
     DSV3_UNROLL
     for (size_t off = 0; off < 64 * esz; off += 64)
-      _mm_prefetch(wb + size_t((R + r) * ldw + k0) * esz + off, _MM_HINT_T0);
+      _mm_prefetch(wb + size_t((pf + r) * ldw + k0) * esz + off, _MM_HINT_T0);
     load64<T>(wb + size_t(r * ldw) * esz, k0, kTail ? n : 64, cst, v);
     DSV3_UNROLL
     for (int m = 0; m < M; ++m) {
@@ -149,7 +152,8 @@ DSV3_AVX512_INLINE void mk_direct_step(const char* wb, int64_t ldw, int64_t k0, 
 }
 
 template <WT T, int R, int M>
-DSV3_AVX512 void mk_direct(const void* w, int64_t ldw, int64_t K, const float* xs, int64_t ldxs, float* y, int64_t ldy) {
+DSV3_AVX512 void mk_direct(const void* w, int64_t ldw, int64_t pf, int64_t K, const float* xs, int64_t ldxs, float* y,
+                           int64_t ldy) {
   constexpr int NA = M <= 2 ? 2 : 1;  // two chains per (row, token) when there are few of them
   const Fp8Consts cst = fp8_consts();
   __m512 acc[R][M][NA];
@@ -161,8 +165,8 @@ DSV3_AVX512 void mk_direct(const void* w, int64_t ldw, int64_t K, const float* x
       for (int a = 0; a < NA; ++a) acc[r][m][a] = _mm512_setzero_ps();
   const char* wb = static_cast<const char*>(w);
   const int64_t kfull = K / 64 * 64;
-  for (int64_t k0 = 0; k0 < kfull; k0 += 64) mk_direct_step<T, R, M, NA, false>(wb, ldw, k0, 64, xs, ldxs, cst, acc);
-  if (kfull < K) mk_direct_step<T, R, M, NA, true>(wb, ldw, kfull, K - kfull, xs, ldxs, cst, acc);
+  for (int64_t k0 = 0; k0 < kfull; k0 += 64) mk_direct_step<T, R, M, NA, false>(wb, ldw, pf, k0, 64, xs, ldxs, cst, acc);
+  if (kfull < K) mk_direct_step<T, R, M, NA, true>(wb, ldw, pf, kfull, K - kfull, xs, ldxs, cst, acc);
   DSV3_UNROLL
   for (int m = 0; m < M; ++m) {
     __m512 s[R];
@@ -177,27 +181,96 @@ DSV3_AVX512 void mk_direct(const void* w, int64_t ldw, int64_t K, const float* x
   }
 }
 
+// One token: rows one after another, so the weights are read as one sequential stream (four
+// interleaved rows, as the kernel above reads them, are four short streams at 2-KB strides,
+// which the hardware prefetchers follow less well: measured ~10% less bandwidth inside the
+// model). Two software prefetches per 64-byte line: 4 KB ahead into L1 and 32 KB ahead into L2
+// (more misses in flight than L1's fill buffers allow), the latter only up to `wend`, the end
+// of the caller's rows. Four rows' sums are reduced together.
+constexpr size_t kNearPrefetch = 4096, kFarPrefetch = 32768;
+
+template <WT T>
+DSV3_AVX512 void seq_rows1(const void* w, int64_t ldw, int64_t nr, int64_t K, const float* xs, float* y,
+                           const char* wend) {
+  constexpr size_t esz = elem_size<T>();
+  const Fp8Consts cst = fp8_consts();
+  const char* wb = static_cast<const char*>(w);
+  const int64_t kfull = K / 64 * 64;
+  // Far lines only below wend (integers: wend - kFarPrefetch may lie before the weights).
+  const uintptr_t far_end = reinterpret_cast<uintptr_t>(wend) - kFarPrefetch;
+  for (int64_t r0 = 0; r0 < nr; r0 += 4) {
+    const int rn = int(std::min<int64_t>(4, nr - r0));
+    __m512 s[4];
+    for (int r = 0; r < 4; ++r) {
+      if (r >= rn) {
+        s[r] = _mm512_setzero_ps();
+        continue;
+      }
+      const char* row = wb + size_t((r0 + r) * ldw) * esz;
+      __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+      int64_t k0 = 0;
+      for (; k0 < kfull; k0 += 64) {
+        const char* pa = row + size_t(k0) * esz;
+        DSV3_UNROLL
+        for (size_t off = 0; off < 64 * esz; off += 64) {
+          _mm_prefetch(pa + kNearPrefetch + off, _MM_HINT_T0);
+          if (reinterpret_cast<uintptr_t>(pa + off) < far_end) _mm_prefetch(pa + kFarPrefetch + off, _MM_HINT_T1);
+        }
+        __m512 v[4];
+        load64<T>(row, k0, 64, cst, v);
+        DSV3_UNROLL
+        for (int q = 0; q < 4; ++q) acc[q] = _mm512_fmadd_ps(v[q], _mm512_loadu_ps(xs + k0 + 16 * q), acc[q]);
+      }
+      if (k0 < K) {
+        __m512 v[4];
+        load64<T>(row, k0, K - k0, cst, v);
+        DSV3_UNROLL
+        for (int q = 0; q < 4; ++q) acc[q] = _mm512_fmadd_ps(v[q], _mm512_loadu_ps(xs + k0 + 16 * q), acc[q]);
+      }
+      s[r] = _mm512_add_ps(_mm512_add_ps(acc[0], acc[1]), _mm512_add_ps(acc[2], acc[3]));
+    }
+    alignas(16) float out[4];
+    _mm_store_ps(out, hsum4(s[0], s[1], s[2], s[3]));
+    for (int r = 0; r < rn; ++r) y[r0 + r] = out[r];
+  }
+}
+
 template <WT T, int M>
 DSV3_AVX512 void direct_rows(const void* w, int64_t ldw, int64_t nr, int64_t K, const float* xs, int64_t ldxs, float* y,
                              int64_t ldy) {
   constexpr size_t esz = elem_size<T>();
   const char* wb = static_cast<const char*>(w);
+  // Prefetch at least ~8 KB ahead: one 4-row group of long rows, several of short ones.
+  const int64_t pf = 4 * std::max<int64_t>(1, int64_t(kPrefetchBytes / (4 * size_t(ldw) * esz)));
   int64_t r = 0;
-  for (; r + 4 <= nr; r += 4) mk_direct<T, 4, M>(wb + size_t(r * ldw) * esz, ldw, K, xs, ldxs, y + r, ldy);
-  for (; r < nr; ++r) mk_direct<T, 1, M>(wb + size_t(r * ldw) * esz, ldw, K, xs, ldxs, y + r, ldy);
+  for (; r + 4 <= nr; r += 4) mk_direct<T, 4, M>(wb + size_t(r * ldw) * esz, ldw, pf, K, xs, ldxs, y + r, ldy);
+  for (; r < nr; ++r) mk_direct<T, 1, M>(wb + size_t(r * ldw) * esz, ldw, pf, K, xs, ldxs, y + r, ldy);
 }
 
 // Up to 8 tokens: passes of at most 4 over 64-row groups (the second pass finds them in cache).
 template <WT T>
 DSV3_AVX512 void direct_tokens(const void* w, int64_t ldw, int64_t nr, int64_t K, const float* xs, int64_t ldxs,
-                               int64_t M, float* y, int64_t ldy) {
+                               int64_t M, float* y, int64_t ldy, const char* wend, bool first) {
   constexpr size_t esz = elem_size<T>();
-  // The first row groups of a call are not covered by the kernel's look-ahead prefetch.
-  {
+  // The start of a call is not covered by the kernels' look-ahead prefetch (later row blocks of
+  // the same call are: `first` is false for them at one token).
+  if (first || M > 1) {
     const char* p = static_cast<const char*>(w);
-    const size_t first = size_t(std::min<int64_t>(8, nr) * ldw) * esz;
-    for (size_t off = 0; off < first; off += 64) _mm_prefetch(p + off, _MM_HINT_T0);
+    if (M == 1) {
+      const size_t span = std::min(size_t(wend - p), kFarPrefetch);
+      for (size_t off = 0; off < span; off += 64) {
+        if (off < kNearPrefetch) {
+          _mm_prefetch(p + off, _MM_HINT_T0);
+        } else {
+          _mm_prefetch(p + off, _MM_HINT_T1);
+        }
+      }
+    } else {
+      const size_t span = size_t(std::min<int64_t>(8, nr) * ldw) * esz;
+      for (size_t off = 0; off < span; off += 64) _mm_prefetch(p + off, _MM_HINT_T0);
+    }
   }
+  if (M == 1) return seq_rows1<T>(w, ldw, nr, K, xs, y, wend);
   for (int64_t rb = 0; rb < nr; rb += 64) {
     const void* wr = static_cast<const char*>(w) + size_t(rb * ldw) * esz;
     const int64_t n = std::min<int64_t>(64, nr - rb);
@@ -292,9 +365,9 @@ int64_t token_tile(int64_t M, int64_t Kp) {
 
 template <WT T>
 DSV3_AVX512 void rows_any(const void* w, int64_t ldw, int64_t nr, int64_t K, const float* xs, int64_t ldxs, int64_t M,
-                          float* y, int64_t ldy, Scratch& s) {
+                          float* y, int64_t ldy, Scratch& s, const char* wend, bool first) {
   if (M <= 8) {
-    direct_tokens<T>(w, ldw, nr, K, xs, ldxs, M, y, ldy);
+    direct_tokens<T>(w, ldw, nr, K, xs, ldxs, M, y, ldy, wend, first);
     return;
   }
   constexpr size_t esz = elem_size<T>();
@@ -323,7 +396,8 @@ DSV3_AVX512 void matmul_dt(const float* x, int64_t M, int64_t ldx, const Linear&
       for (int64_t m0 = 0; m0 < M; m0 += mt) {
         const int64_t mm = std::min(mt, M - m0);
         pack_x(x + m0 * ldx, mm, ldx, K, f, xs, Kp, perm_of<T>());
-        rows_any<T>(w + r * K, K, re - r, K, xs, Kp, mm, y + m0 * ldy + (r - r0), ldy, s);
+        rows_any<T>(w + r * K, K, re - r, K, xs, Kp, mm, y + m0 * ldy + (r - r0), ldy, s,
+                    reinterpret_cast<const char*>(w + (r0 + nr) * K), r == r0);
       }
       r = re;
     }
@@ -333,7 +407,7 @@ DSV3_AVX512 void matmul_dt(const float* x, int64_t M, int64_t ldx, const Linear&
     for (int64_t m0 = 0; m0 < M; m0 += mt) {
       const int64_t mm = std::min(mt, M - m0);
       pack_x(x + m0 * ldx, mm, ldx, K, nullptr, xs, Kp, perm_of<T>());
-      rows_any<T>(w, K, nr, K, xs, Kp, mm, y + m0 * ldy, ldy, s);
+      rows_any<T>(w, K, nr, K, xs, Kp, mm, y + m0 * ldy, ldy, s, w + size_t(nr * K) * esz, true);
     }
   }
 }
@@ -400,9 +474,87 @@ DSV3_AVX512 void t_direct(const float* x, int64_t ldx, const Linear& wl, int64_t
   }
 }
 
+// One token: passes of 256 columns (16 accumulators), each reading every row's 256-column slice
+// once, contiguously, with the rows a few ahead prefetched (the generic form above reads 64
+// columns of each row per pass: 64-byte pieces at the row stride, which no prefetcher follows).
+template <WT T, bool kFull>
+DSV3_AVX512_INLINE void t_one_pass(const char* w, int64_t C, int64_t d0, int64_t nd, int64_t p0, int64_t pc,
+                                   const float* xs, const Fp8Consts& cst, float* y) {
+  constexpr size_t esz = elem_size<T>();
+  constexpr int64_t kAhead = 12;  // rows
+  // (The first rows are prefetched before the loop.)
+  const size_t pf_bytes = 256 * esz;
+  for (int64_t d = 0; d < std::min(kAhead, nd); ++d)
+    for (size_t off = 0; off < pf_bytes; off += 64) _mm_prefetch(w + size_t((d0 + d) * C + p0) * esz + off, _MM_HINT_T0);
+  __m512 acc[4][4];
+  DSV3_UNROLL
+  for (int q = 0; q < 4; ++q)
+    DSV3_UNROLL
+    for (int i = 0; i < 4; ++i) acc[q][i] = _mm512_setzero_ps();
+  for (int64_t d = 0; d < nd; ++d) {
+    const char* row = w + size_t((d0 + d) * C + p0) * esz;
+    if (d + kAhead < nd) {
+      const char* pre = row + size_t(kAhead * C) * esz;
+      for (size_t off = 0; off < pf_bytes; off += 64) _mm_prefetch(pre + off, _MM_HINT_T0);
+    }
+    const __m512 b0 = _mm512_set1_ps(xs[2 * d]), b1 = _mm512_set1_ps(xs[2 * d + 1]);
+    DSV3_UNROLL
+    for (int q = 0; q < 4; ++q) {
+      if (!kFull && 64 * q >= pc) break;
+      __m512 v[4];
+      load64<T>(row, 64 * q, kFull ? 64 : pc - 64 * q, cst, v);
+      DSV3_UNROLL
+      for (int i = 0; i < 4; ++i) acc[q][i] = _mm512_fmadd_ps(v[i], q < 2 ? b0 : b1, acc[q][i]);
+    }
+  }
+  constexpr const Order64& ord = order_of<T>();
+  DSV3_UNROLL
+  for (int q = 0; q < 4; ++q) {
+    if (!kFull && 64 * q >= pc) break;
+    alignas(64) float tmp[64];
+    DSV3_UNROLL
+    for (int i = 0; i < 4; ++i) _mm512_store_ps(tmp + 16 * i, acc[q][i]);
+    const int64_t ncol = std::min<int64_t>(64, pc - 64 * q);
+    float* yq = y + p0 + 64 * q;
+    if (ncol == 64 && &ord == &kOrderNatural) {
+      std::memcpy(yq, tmp, sizeof tmp);
+    } else {
+      for (int p = 0; p < 64; ++p)
+        if (ord.k[p] < ncol) yq[ord.k[p]] = tmp[p];
+    }
+  }
+}
+
+template <WT T>
+DSV3_AVX512 void t_direct1(const float* x, const Linear& wl, int64_t d0, int64_t nd, float* y, Scratch& s) {
+  const int64_t C = wl.in(), kb = ceil_div(C, kBlock);
+  const char* w = static_cast<const char*>(wl.weight.data);
+  const Fp8Consts cst = fp8_consts();
+  float* xs = s.get<float>(3, size_t(2 * nd));
+  for (int64_t p0 = 0; p0 < C; p0 += 256) {
+    const int64_t pc = std::min<int64_t>(256, C - p0);
+    // xs[2d + h]: x[d] times the block scale of (row d0 + d, columns p0 + 128h ..) and 2^8.
+    for (int64_t d = 0; d < nd; ++d)
+      for (int h = 0; h < 2; ++h) {
+        if constexpr (T == WT::kFp8) {
+          const int64_t cb = p0 / kBlock + h;
+          xs[2 * d + h] = cb < kb ? x[d] * wl.scale.as<float>()[((d0 + d) / kBlock) * kb + cb] * 256.f : 0.f;
+        } else {
+          xs[2 * d + h] = x[d];
+        }
+      }
+    if (pc == 256) {
+      t_one_pass<T, true>(w, C, d0, nd, p0, pc, xs, cst, y);
+    } else {
+      t_one_pass<T, false>(w, C, d0, nd, p0, pc, xs, cst, y);
+    }
+  }
+}
+
 template <WT T>
 DSV3_AVX512 void t_direct_tokens(const float* x, int64_t M, int64_t ldx, const Linear& wl, int64_t d0, int64_t nd,
                                  float* y, int64_t ldy, Scratch& s) {
+  if (M == 1) return t_direct1<T>(x, wl, d0, nd, y, s);
   for (int64_t m = 0; m < M; m += 4) {
     const float* xm = x + m * ldx;
     float* ym = y + m * ldy;
