@@ -160,8 +160,15 @@ int main(int argc, char** argv) {
         o.tc_min = 1 << 30;  // prefill on the first-generation WMMA kernel and CUDA-core attention
         vars.push_back({"wmma", o, false, true});
         o = base;
-        o.gemv_max = 7, o.tc_min = 8;  // batch 8 on the pipelined tensor-core kernel
-        vars.push_back({"tc8", o, true, false});
+        o.wg_async = true;  // one wgmma group in flight
+        vars.push_back({"wg-async", o, false, true});
+        o.fast = true;
+        vars.push_back({"wg-async-fast", o, false, true});
+        o = base;
+        o.wgmma = false;  // the pipelined kernel's mma.sync form
+        vars.push_back({"mma.sync", o, false, true});
+        o.fast = true;
+        vars.push_back({"mma.sync-fast", o, false, true});
       }
       if (profile) {
         CudaOptions o = base;

@@ -44,6 +44,8 @@ CudaOptions CudaOptions::from_env() {
   o.tc_min = env_int("DSV3_CUDA_TC_MIN", o.tc_min);
   o.fast_min = env_int("DSV3_CUDA_FAST_MIN", o.fast_min);
   o.tc_tm = env_int("DSV3_CUDA_TC_TM", o.tc_tm);
+  o.wgmma = env_flag("DSV3_CUDA_WGMMA", o.wgmma);
+  o.wg_async = env_flag("DSV3_CUDA_WG_ASYNC", o.wg_async);
   o.profile = env_flag("DSV3_CUDA_PROFILE", o.profile);
   return o;
 }
@@ -144,6 +146,7 @@ struct MoeTable {
   int32_t wtype = cuda::kBF16;
   bool gemm = false;          // every expert fits the tensor-core kernel
   bool tc = false;            // every expert fits the pipelined bf16 kernel (tc_ok)
+  bool k64 = false;           // ... with every K a multiple of 64 (its wgmma form)
 };
 
 enum Slot {
@@ -163,6 +166,7 @@ class CudaBackend final : public Backend {
     CK(cudaGetDeviceProperties(&prop, dev));
     L_.stream = stream_;
     L_.pdl = opt_.pdl && prop.major >= 9;
+    wgmma_ = opt_.wgmma && prop.major == 9;  // sm_90a code: Hopper only
     CK(cudaMallocHost(&staging_, kStagingBytes));
     CK(cudaMalloc(&counter_, sizeof(unsigned)));
     CK(cudaMemset(counter_, 0, sizeof(unsigned)));
@@ -431,11 +435,12 @@ class CudaBackend final : public Backend {
       j0.w = w1, j0.w3 = w3, j0.swiglu = true, j0.M = n;
       j0.o_hi = scratch(kHi2, size_t(n * inter) * 2);
       j0.o_lo = fast_at(n) ? nullptr : scratch(kLo2, size_t(n * inter) * 2);
-      j0.ldo = inter, j0.tm = tile_m(n);
+      j0.ldo = inter, j0.tm = tile_m(n), j0.wgmma = use_wgmma(j0.tm, D % 64 == 0 && inter % 64 == 0);
+      j0.wg_async = opt_.wg_async;
       cuda::tc_gemm(L_, j0, cuda::tc_tiles(n, j0.tm), inter);
       cuda::TcJob j1;
       j1.a_hi = j0.o_hi, j1.a_lo = j0.o_lo, j1.lda = inter, j1.w = w2, j1.M = n, j1.c = y, j1.ldc = D;
-      j1.tm = j0.tm;
+      j1.tm = j0.tm, j1.wgmma = j0.wgmma, j1.wg_async = j0.wg_async;
       cuda::tc_gemm(L_, j1, cuda::tc_tiles(n, j1.tm), D);
       return;
     }
@@ -477,7 +482,7 @@ class CudaBackend final : public Backend {
     float* o = f32(kMoeO, size_t(P * D));
     if (tc) {
       cuda::TcJob j0 = split_input(x, n, D, fast_at(n));
-      j0.tm = s.tile_rows;
+      j0.tm = s.tile_rows, j0.wgmma = use_wgmma(j0.tm, T.k64), j0.wg_async = opt_.wg_async;
       j0.grouped = true, j0.experts = T.dev, j0.a_idx = s.perm;
       j0.cnt = s.cnt, j0.off = s.off, j0.tile_e = s.tile_e, j0.tile_m0 = s.tile_m0, j0.n_tiles = s.n_tiles;
       cuda::TcJob j1 = j0;
@@ -556,6 +561,7 @@ class CudaBackend final : public Backend {
         j.a_lo = scratch(kLo2, size_t(n * H * C) * 2);
         cuda::split_rows(L_, ol, n * H, C, C, const_cast<void*>(j.a_hi), const_cast<void*>(j.a_lo));
         j.lda = H * C, j.w = wv, j.M = n, j.c = out, j.ldc = H * V, j.shift = sh, j.tm = tile_m(n);
+        j.wgmma = use_wgmma(j.tm, C % 64 == 0), j.wg_async = opt_.wg_async;
         cuda::tc_gemm(L_, j, cuda::tc_tiles(n, j.tm), V, int(H));
         return;
       }
@@ -772,11 +778,13 @@ class CudaBackend final : public Backend {
     T.wtype = v[0].w1.t;
     T.gemm = true;
     T.tc = true;
+    T.k64 = true;
     for (DevExpert& e : v) {
       for (const DevLinear* l : {&e.w1, &e.w3, &e.w2}) {
         if (l->t != T.wtype) fail("CUDA backend: MoE layer mixes weight dtypes");
         T.gemm = T.gemm && cuda::gemm_ok(*l) && l->t != cuda::kF32;
         T.tc = T.tc && cuda::tc_ok(*l);
+        T.k64 = T.k64 && l->cols % 64 == 0;
       }
       e.vec13 = cuda::vec_ok(e.w1) && cuda::vec_ok(e.w3);
       e.vec2 = cuda::vec_ok(e.w2);
@@ -795,7 +803,7 @@ class CudaBackend final : public Backend {
       cuda::TcJob j = split_input(x, n, w.cols, fast);
       j.w = w, j.M = n, j.c = y, j.ldc = ldy;
       // Few output tiles (the gate, wkv_a): split K so every SM gets work.
-      j.tm = tile_m(n);
+      j.tm = tile_m(n), j.wgmma = use_wgmma(j.tm, w.cols % 64 == 0), j.wg_async = opt_.wg_async;
       const int64_t tiles = cuda::tc_out_tiles(n, w.rows, false, j.tm), ksteps = w.cols / 32;
       if (tiles < 132 && ksteps >= 16) {
         j.splits = int(std::min<int64_t>(ksteps / 8, (264 + tiles - 1) / tiles));
@@ -815,6 +823,7 @@ class CudaBackend final : public Backend {
   bool use_tc(int64_t n) const { return n >= opt_.tc_min; }
   // 64-row tiles unless asked: on the H200 the 128-row form (64x64 per warp) measured slower for
   // the 16B shape's prefill (24.6k against 28.0k tok/s in fast mode).
+  bool use_wgmma(int tm, bool k64) const { return wgmma_ && tm == 64 && k64; }
   int tile_m(int64_t) const { return opt_.tc_tm == 128 ? 128 : 64; }
   // Fast mode's bf16 activations for products of prefill size only: decode is bound by the weight
   // reads, so one bf16 pass would gain nothing there and its errors would reach every step.
@@ -846,12 +855,13 @@ class CudaBackend final : public Backend {
   // [0, end) decompressed through wkv_b (as the naive form; 192 + 128 multiply-adds per
   // (query, key, head) instead of the absorbed form's 1088), then per head cuBLAS GEMMs for the
   // scores (nope part batched over heads, rope part shared), a causal softmax and the values,
-  // in chunks of 512 queries. Float32 GEMMs (TF32 tensor cores in fast mode). out [n, H * V].
+  // in chunks of 512 queries. Float32 GEMMs (bf16 tensor cores in fast mode). out [n, H * V].
   void mla_runs(const cuda::MlaDims& d, const DevPos* pos, const std::vector<std::pair<int64_t, int64_t>>& runs,
                 const TokenPos* tp, int64_t tp_n, const float* q, const LayerCache& cache, const DevLinear& wkv_b,
                 float* S, float* out) {
     const int64_t H = d.H, C = d.C, R = d.R, nope = d.nope, V = d.V, qk = nope + R, ML = d.max_len, KV = nope + V;
-    const cublasComputeType_t ct = fast_at(tp_n) ? CUBLAS_COMPUTE_32F_FAST_TF32 : CUBLAS_COMPUTE_32F;
+    // Fast mode: bf16 tensor cores with float32 accumulation (the reference's attention arithmetic).
+    const cublasComputeType_t ct = fast_at(tp_n) ? CUBLAS_COMPUTE_32F_FAST_16BF : CUBLAS_COMPUTE_32F;
     const float one = 1.f, zero = 0.f, scale = d.scale;
     for (auto [r0, r1] : runs) {
       const int64_t slot = tp[r0].slot, end = tp[r1 - 1].pos + 1;
@@ -898,6 +908,7 @@ class CudaBackend final : public Backend {
   cudaStream_t stream_ = nullptr;
   cuda::Launch L_;
   cublasHandle_t cublas_ = nullptr;
+  bool wgmma_ = false;  // the pipelined kernel's wgmma form may run (option and an sm_90 device)
   std::vector<void*> owned_;
   Buf scratch_[kNumSlots];
   std::map<const void*, MoeTable> moe_;

@@ -11,9 +11,11 @@ namespace dsv3 {
 struct CudaOptions {
   bool graphs = true;   // record decode steps as CUDA graphs and replay them (DSV3_CUDA_GRAPH=0: off)
   bool pdl = true;      // programmatic dependent launch between kernels (DSV3_CUDA_PDL=0: off)
-  bool fast = false;    // bf16 activations (one pass) in the MLP/expert tensor-core GEMMs, TF32 in the
+  bool fast = false;    // bf16 activations (one pass) in the MLP/expert tensor-core GEMMs, bf16 in the
                         // long-run attention GEMMs (DSV3_CUDA_FAST=1); default: bf16 hi + lo parts
                         // and float32 attention, float32-grade results
+  bool wgmma = true;    // the pipelined kernel's sm_90a wgmma form where K % 64 == 0 (DSV3_CUDA_WGMMA=0: mma.sync)
+  bool wg_async = false; // its wgmma form keeps one MMA group in flight (DSV3_CUDA_WG_ASYNC=1)
   int tc_tm = 64;       // rows per tile of the pipelined kernel: 64 or 128 (DSV3_CUDA_TC_TM)
   int fast_min = 64;    // fast mode only for steps of at least this many tokens (DSV3_CUDA_FAST_MIN)
   bool cublas = false;  // bf16 dense GEMMs through cuBLAS for many tokens (DSV3_CUDA_CUBLAS=1)

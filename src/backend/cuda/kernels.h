@@ -125,6 +125,8 @@ struct TcJob {
   int splits = 1;
   float* ws = nullptr;
   int tm = 64;  // rows per tile: 64 or 128 (grouped: must match the schedule's tile_rows)
+  bool wgmma = false;     // sm_90a warpgroup MMAs (tm 64; every K a multiple of 64)
+  bool wg_async = false;  // ... keeping one MMA group in flight behind the next stage's loads
 };
 // Output tiles of a plain job (occupancy: split-K pays below ~2 tiles per SM).
 int64_t tc_out_tiles(int64_t M, int64_t N, bool swiglu, int tm);

@@ -1,7 +1,9 @@
 // The prefill GEMM: bf16 activations (a high part and optionally the bf16 rounding of the
-// remainder, split beforehand) times bf16 weights on mma.sync tensor cores, float32
-// accumulation. 64x128 output tiles, K in steps of 32 through a 4-stage cp.async pipeline,
+// remainder, split beforehand) times bf16 weights on tensor cores, float32 accumulation.
+// mma.sync form: 64x128 output tiles, K in steps of 32 through a 4-stage cp.async pipeline,
 // operands read from shared memory with ldmatrix (XOR-swizzled rows, no bank conflicts).
+// wgmma form (sm_90a): the same tiles, K in steps of 64 through 3 stages in the hardware's
+// 128-byte swizzle, m64n128k16 warpgroup MMAs reading both operands from shared memory.
 // One launch covers a plain product or every active expert of a MoE stage (the router's
 // 64-row tile table picks each block's expert and rows).
 #include <algorithm>
@@ -12,17 +14,23 @@
 namespace dsv3::cuda {
 namespace {
 
-// TM (64 or 128 rows) and WM (rows per warp, 32 or 64) are template parameters: 4 warps of
-// WM x 64 outputs (2 x 2) for TM 128, (2 x 2) of 32 x 64 for TM 64.
-constexpr int TN = 128, TK = 32, kStages = 4;
-constexpr int kBElems = TN * TK;  // per stage
-template <int TM>
-constexpr int smem_bytes() {      // per stage: A hi, A lo, B (bf16); 64 / 96 KiB
-  return kStages * (2 * TM * TK + kBElems) * 2;
-}
+// Template parameters: TM (64 or 128 rows) and WM (rows per warp, 32 or 64): 4 warps of WM x 64
+// outputs; WG: sm_90a wgmma instead of mma.sync (TM 64: the 4 warps are one warpgroup issuing
+// m64n128k16 from shared memory), K steps of 64 in 128-byte swizzled rows, 3 stages.
+constexpr int TN = 128, TK = 32;  // TK: K step of the mma.sync form (and tc_ok's K granule)
+template <bool WG>
+__host__ __device__ constexpr int kstep() { return WG ? 64 : 32; }
+// Stages: mma.sync 4; wgmma 3, or 4 when one MMA group stays in flight (ASYNC) without the lo part.
+template <bool WG, bool LO = true, bool ASYNC = false>
+__host__ __device__ constexpr int stages() { return WG ? (ASYNC && !LO ? 4 : 3) : 4; }
 constexpr int kLdc = TN + 4;  // epilogue tile row
-static_assert(64 * kLdc * 4 <= smem_bytes<64>() && 128 * kLdc * 4 <= smem_bytes<128>(),
-              "epilogue tile must fit in the pipeline's memory");
+// Per stage A hi, A lo when LO, B (bf16); at least the epilogue's float tile; + alignment slack
+// for wgmma (its buffers start on 1024 bytes).
+template <int TM, bool WG, bool LO, bool ASYNC>
+constexpr int smem_bytes() {
+  const int pipe = stages<WG, LO, ASYNC>() * ((LO ? 2 : 1) * TM + TN) * kstep<WG>() * 2, epi = TM * kLdc * 4;
+  return (pipe > epi ? pipe : epi) + (WG ? 1024 : 0);
+}
 
 __device__ __forceinline__ uint32_t smem_addr(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
@@ -49,17 +57,71 @@ __device__ __forceinline__ void mma_bf16(float (&c)[4], const uint32_t (&a)[4], 
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
-// Element offset of (row, 8-element chunk) in a [rows][32] bf16 stage buffer: the chunk index
-// is XORed with bits 1-2 of the row so the 8 rows one ldmatrix reads hit distinct banks.
 __device__ __forceinline__ int64_t imin(int64_t a, int64_t b) { return a < b ? a : b; }
 
-__device__ __forceinline__ int swz(int row, int chunk) { return row * TK + ((chunk ^ ((row >> 1) & 3)) << 3); }
+// Element offset of (row, 8-element chunk) in a stage buffer. mma.sync ([rows][32]): the chunk
+// index XORed with bits 1-2 of the row, so the 8 rows one ldmatrix reads hit distinct banks.
+// wgmma ([rows][64], 128-byte rows): the hardware's 128-byte swizzle, chunk XOR (row % 8).
+template <bool WG>
+__device__ __forceinline__ int swz(int row, int chunk) {
+  if (WG) return row * 64 + ((chunk ^ (row & 7)) << 3);
+  return row * 32 + ((chunk ^ ((row >> 1) & 3)) << 3);
+}
 
-template <int TM, int WM>
+// wgmma shared-memory descriptor of a K-major tile with 128-byte swizzle: start address,
+// leading byte offset (unused here: 1), stride byte offset 1024 (8 rows of 128 bytes), mode 1.
+__device__ __forceinline__ uint64_t wg_desc(uint32_t saddr) {
+  return uint64_t((saddr >> 4) & 0x3FFF) | (uint64_t(1) << 16) | (uint64_t(1024 >> 4) << 32) | (uint64_t(1) << 62);
+}
+__device__ __forceinline__ void wg_fence() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900 && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+#endif
+}
+template <int N>  // commit the issued wgmmas as a group; wait until at most N groups are pending
+__device__ __forceinline__ void wg_commit_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900 && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  asm volatile("wgmma.commit_group.sync.aligned;\nwgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
+#endif
+}
+template <int N>
+__device__ __forceinline__ void wg_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900 && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
+#endif
+}
+// Shared-memory writes of the generic proxy (cp.async) made visible to wgmma (async proxy).
+__device__ __forceinline__ void fence_proxy_async() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void reg_fence(float& r) { asm volatile("" : "+f"(r)::"memory"); }
+
+// D[64x128] += A[64x16] * B[128x16]^T, both from shared memory (128-byte swizzled K-major tiles).
+__device__ __forceinline__ void wgmma_64x128x16(float (&d)[64], uint64_t da, uint64_t db) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900 && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31,%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47,%48,%49,%50,%51,%52,%53,%54,%55,%56,%57,%58,%59,%60,%61,%62,%63}, %64, %65, p, 1, 1, 0, 0;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+      : "l"(da), "l"(db), "r"(1));
+#endif
+}
+
+
+template <int TM, int WM, bool WG, bool LO, bool ASYNC>
 __global__ void __launch_bounds__(TM / WM * 64) tc_gemm_kernel(TcJob j) {
-  constexpr int kThreads = TM / WM * 64, kAElems = TM * TK, kBPer = TN * 4 / kThreads, kAPer = TM * 4 / kThreads,
-                MI = WM / 16;
-  extern __shared__ __align__(128) unsigned char smem[];
+  constexpr int BK = kstep<WG>(), CPR = BK / 8, kS = stages<WG, LO, ASYNC>();
+  // Loads run P stages ahead. ASYNC keeps the last wgmma group in flight, so the buffer a load
+  // refills must be two iterations old: P = stages - 2.
+  constexpr int P = WG && ASYNC ? kS - 2 : kS - 1;
+  constexpr int kThreads = TM / WM * 64, kAElems = TM * BK, kBElems = TN * BK, kBPer = TN * CPR / kThreads,
+                kAPer = TM * CPR / kThreads, MI = WM / 16;
+  static_assert(!WG || (TM == 64 && kThreads == 128), "wgmma form: one warpgroup, 64 rows");
+  extern __shared__ __align__(128) unsigned char smem_raw[];
+  unsigned char* smem = WG ? reinterpret_cast<unsigned char*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023))
+                           : smem_raw;
   pdl_wait();
   pdl_trigger();
   // ---- which tile
@@ -93,8 +155,9 @@ __global__ void __launch_bounds__(TM / WM * 64) tc_gemm_kernel(TcJob j) {
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, wm = warp >> 1, wn = warp & 1;
   __nv_bfloat16* sbase = reinterpret_cast<__nv_bfloat16*>(smem);
-  auto sA = [&](int st, int part) { return sbase + st * (2 * kAElems + kBElems) + part * kAElems; };
-  auto sB = [&](int st) { return sbase + st * (2 * kAElems + kBElems) + 2 * kAElems; };
+  constexpr int kParts = LO ? 2 : 1;  // A hi (and lo)
+  auto sA = [&](int st, int part) { return sbase + st * (kParts * kAElems + kBElems) + part * kAElems; };
+  auto sB = [&](int st) { return sbase + st * (kParts * kAElems + kBElems) + kParts * kAElems; };
 
   // ---- loaders: A rows (2 chunks per thread per part), B rows (4 chunks per thread)
   const __nv_bfloat16* a_src[kAPer];
@@ -102,101 +165,140 @@ __global__ void __launch_bounds__(TM / WM * 64) tc_gemm_kernel(TcJob j) {
   int a_dst[kAPer];
 #pragma unroll
   for (int i = 0; i < kAPer; ++i) {
-    const int c = tid + i * kThreads, r = c >> 2, ch = c & 3;
+    const int c = tid + i * kThreads, r = c / CPR, ch = c % CPR;
     a_ok[i] = r < Mv;
     int64_t row = arow0 + m0 + (a_ok[i] ? r : 0);
     if (j.a_idx) row = j.a_idx[row];
     a_src[i] = ahi + row * j.lda + ch * 8;
-    a_dst[i] = swz(r, ch);
+    a_dst[i] = swz<WG>(r, ch);
   }
   const __nv_bfloat16* b_src[kBPer];
   bool b_ok[kBPer];
   int b_dst[kBPer];
 #pragma unroll
   for (int i = 0; i < kBPer; ++i) {
-    const int c = tid + i * kThreads, r = c >> 2, ch = c & 3;
+    const int c = tid + i * kThreads, r = c / CPR, ch = c % CPR;
     const bool second = j.swiglu && r >= TN / 2;
     const DevLinear& W = second ? W1 : W0;
     const int64_t wr = second ? n0 + r - TN / 2 : n0 + r;
     b_ok[i] = wr < N;
     const int64_t rr = W.row0 + bz * j.shift.wrows + (b_ok[i] ? wr : 0);
     b_src[i] = static_cast<const __nv_bfloat16*>(W.w) + rr * W.ld + W.col0 + ch * 8;
-    b_dst[i] = swz(r, ch);
+    b_dst[i] = swz<WG>(r, ch);
   }
   const int64_t lo_off = alo ? alo - ahi : 0;
   auto load_stage = [&](int st, int kt) {
-    const int64_t k = int64_t(kt) * TK;
+    const int64_t k = int64_t(kt) * BK;
 #pragma unroll
     for (int i = 0; i < kAPer; ++i) {
       cp_async16(smem_addr(sA(st, 0) + a_dst[i]), a_src[i] + k, a_ok[i]);
-      if (alo) cp_async16(smem_addr(sA(st, 1) + a_dst[i]), a_src[i] + lo_off + k, a_ok[i]);
+      if (LO) cp_async16(smem_addr(sA(st, 1) + a_dst[i]), a_src[i] + lo_off + k, a_ok[i]);
     }
 #pragma unroll
     for (int i = 0; i < kBPer; ++i) cp_async16(smem_addr(sB(st) + b_dst[i]), b_src[i] + k, b_ok[i]);
   };
 
-  float acc[MI][8][4];
-#pragma unroll
-  for (int a = 0; a < MI; ++a)
-#pragma unroll
-    for (int b = 0; b < 8; ++b)
-#pragma unroll
-      for (int c = 0; c < 4; ++c) acc[a][b][c] = 0.f;
-
-  int kt0 = 0, nk = int(K / TK);
+  int kt0 = 0, nk = int(K / BK);
   if (j.splits > 1) {
     const int all = nk;
     kt0 = int(int64_t(all) * blockIdx.z / j.splits);
     nk = int(int64_t(all) * (blockIdx.z + 1) / j.splits) - kt0;
   }
 #pragma unroll
-  for (int s = 0; s < kStages - 1; ++s) {
+  for (int s = 0; s < P; ++s) {
     if (s < nk) load_stage(s, kt0 + s);
     cp_async_commit();
   }
-  // ldmatrix lanes: A rows (lane % 16) at chunk (lane / 16); B: two n-fragments per x4.
-  const int a_r = lane & 15, a_c = lane >> 4;
-  const int b_r = (lane & 7) + ((lane >> 4) << 3), b_c = (lane >> 3) & 1;
-  for (int kt = 0; kt < nk; ++kt) {
-    cp_async_wait<kStages - 2>();
-    __syncthreads();
-    const int nx = kt + kStages - 1;
-    if (nx < nk) load_stage(nx % kStages, kt0 + nx);
-    cp_async_commit();
-    const int st = kt % kStages;
-    const __nv_bfloat16* A0 = sA(st, 0);
-    const __nv_bfloat16* A1 = sA(st, 1);
-    const __nv_bfloat16* B = sB(st);
+  float* ct = reinterpret_cast<float*>(smem);  // the epilogue's tile [TM][kLdc], over the stages
+  if constexpr (WG) {
+    float d[64];
 #pragma unroll
-    for (int kk = 0; kk < 2; ++kk) {
-      uint32_t ah[MI][4], al[MI][4], bf[4][4];
+    for (int i = 0; i < 64; ++i) d[i] = 0.f;
+    for (int kt = 0; kt < nk; ++kt) {
+      cp_async_wait<P - 1>();
+      fence_proxy_async();
+      __syncthreads();  // stage kt everywhere; the wgmma that read the refilled buffer finished
+      const int nx = kt + P;
+      if (nx < nk) load_stage(nx % kS, kt0 + nx);
+      cp_async_commit();
+      const int st = kt % kS;
+      const uint64_t dh = wg_desc(smem_addr(sA(st, 0))), dl = wg_desc(smem_addr(sA(st, 1))),
+                     db = wg_desc(smem_addr(sB(st)));
 #pragma unroll
-      for (int mi = 0; mi < MI; ++mi) {
-        const int r = wm * WM + mi * 16 + a_r;
-        ldmatrix_x4(ah[mi], smem_addr(A0 + swz(r, kk * 2 + a_c)));
-        if (alo) ldmatrix_x4(al[mi], smem_addr(A1 + swz(r, kk * 2 + a_c)));
+      for (int i = 0; i < 64; ++i) reg_fence(d[i]);
+      wg_fence();
+#pragma unroll
+      for (int kk = 0; kk < BK / 16; ++kk) {  // +32 bytes per 16 K values: +2 in the descriptor
+        wgmma_64x128x16(d, dh + 2 * kk, db + 2 * kk);
+        if (LO) wgmma_64x128x16(d, dl + 2 * kk, db + 2 * kk);
       }
+      wg_commit_wait<ASYNC ? 1 : 0>();
 #pragma unroll
-      for (int nj = 0; nj < 4; ++nj) {
-        const int r = wn * 64 + nj * 16 + b_r;
-        ldmatrix_x4(bf[nj], smem_addr(B + swz(r, kk * 2 + b_c)));
-      }
-#pragma unroll
-      for (int mi = 0; mi < MI; ++mi)
-#pragma unroll
-        for (int ni = 0; ni < 8; ++ni) {
-          const uint32_t b0 = bf[ni >> 1][(ni & 1) * 2], b1 = bf[ni >> 1][(ni & 1) * 2 + 1];
-          mma_bf16(acc[mi][ni], ah[mi], b0, b1);
-          if (alo) mma_bf16(acc[mi][ni], al[mi], b0, b1);
-        }
+      for (int i = 0; i < 64; ++i) reg_fence(d[i]);
     }
-  }
-  cp_async_wait<0>();
-  __syncthreads();
-
-  // ---- epilogue through shared memory: tile [64][128] float32
-  float* ct = reinterpret_cast<float*>(smem);
-  {
+    wg_wait<0>();
+#pragma unroll
+    for (int i = 0; i < 64; ++i) reg_fence(d[i]);
+    cp_async_wait<0>();
+    __syncthreads();
+    // accumulator of warp w: rows 16w + g (+ 8), columns 8 jn + 2t (+ 1)
+    const int g = lane >> 2, t = lane & 3;
+#pragma unroll
+    for (int jn = 0; jn < 16; ++jn) {
+      const int r = warp * 16 + g, c = jn * 8 + 2 * t;
+      ct[r * kLdc + c] = d[4 * jn];
+      ct[r * kLdc + c + 1] = d[4 * jn + 1];
+      ct[(r + 8) * kLdc + c] = d[4 * jn + 2];
+      ct[(r + 8) * kLdc + c + 1] = d[4 * jn + 3];
+    }
+  } else {
+    float acc[MI][8][4];
+#pragma unroll
+    for (int a = 0; a < MI; ++a)
+#pragma unroll
+      for (int b = 0; b < 8; ++b)
+#pragma unroll
+        for (int c = 0; c < 4; ++c) acc[a][b][c] = 0.f;
+    // ldmatrix lanes: A rows (lane % 16) at chunk (lane / 16); B: two n-fragments per x4.
+    const int a_r = lane & 15, a_c = lane >> 4;
+    const int b_r = (lane & 7) + ((lane >> 4) << 3), b_c = (lane >> 3) & 1;
+    for (int kt = 0; kt < nk; ++kt) {
+      cp_async_wait<kS - 2>();
+      __syncthreads();
+      const int nx = kt + kS - 1;
+      if (nx < nk) load_stage(nx % kS, kt0 + nx);
+      cp_async_commit();
+      const int st = kt % kS;
+      const __nv_bfloat16* A0 = sA(st, 0);
+      const __nv_bfloat16* A1 = sA(st, 1);
+      const __nv_bfloat16* B = sB(st);
+#pragma unroll
+      for (int kk = 0; kk < 2; ++kk) {
+        uint32_t ah[MI][4], al[MI][4], bf[4][4];
+#pragma unroll
+        for (int mi = 0; mi < MI; ++mi) {
+          const int r = wm * WM + mi * 16 + a_r;
+          ldmatrix_x4(ah[mi], smem_addr(A0 + swz<WG>(r, kk * 2 + a_c)));
+          if (LO) ldmatrix_x4(al[mi], smem_addr(A1 + swz<WG>(r, kk * 2 + a_c)));
+        }
+#pragma unroll
+        for (int nj = 0; nj < 4; ++nj) {
+          const int r = wn * 64 + nj * 16 + b_r;
+          ldmatrix_x4(bf[nj], smem_addr(B + swz<WG>(r, kk * 2 + b_c)));
+        }
+#pragma unroll
+        for (int mi = 0; mi < MI; ++mi)
+#pragma unroll
+          for (int ni = 0; ni < 8; ++ni) {
+            const uint32_t b0 = bf[ni >> 1][(ni & 1) * 2], b1 = bf[ni >> 1][(ni & 1) * 2 + 1];
+            mma_bf16(acc[mi][ni], ah[mi], b0, b1);
+            if (LO) mma_bf16(acc[mi][ni], al[mi], b0, b1);
+          }
+      }
+    }
+    cp_async_wait<0>();
+    __syncthreads();
+    // ---- epilogue through shared memory: tile [TM][128] float32
     const int g = lane >> 2, t = lane & 3;
 #pragma unroll
     for (int mi = 0; mi < MI; ++mi)
@@ -304,23 +406,47 @@ bool tc_ok(const DevLinear& w) {
          reinterpret_cast<uintptr_t>(w.w) % 16 == 0;
 }
 
-template <int TM, int WM>
-void tc_launch(const Launch& L, const TcJob& j, int64_t grid_m, int64_t max_n, int batch) {
+namespace {
+
+template <int TM, int WM, bool WG, bool LO, bool ASYNC>
+void tc_launch_lo(const Launch& L, const TcJob& j, int64_t grid_m, int64_t max_n, int batch) {
   static bool attr_set = false;  // per process: one device
   if (!attr_set) {
-    DSV3_CUDA_CHECK(
-        cudaFuncSetAttribute(tc_gemm_kernel<TM, WM>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes<TM>()));
+    DSV3_CUDA_CHECK(cudaFuncSetAttribute(tc_gemm_kernel<TM, WM, WG, LO, ASYNC>,
+                                         cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                         smem_bytes<TM, WG, LO, ASYNC>()));
     attr_set = true;
   }
   const int64_t tn = j.swiglu ? TN / 2 : TN;
-  launch(L, tc_gemm_kernel<TM, WM>, dim3(unsigned(grid_m), cdiv(max_n, tn), unsigned(j.splits > 1 ? j.splits : batch)),
-         dim3(TM / WM * 64), size_t(smem_bytes<TM>()), j);
+  launch(L, tc_gemm_kernel<TM, WM, WG, LO, ASYNC>,
+         dim3(unsigned(grid_m), cdiv(max_n, tn), unsigned(j.splits > 1 ? j.splits : batch)), dim3(TM / WM * 64),
+         size_t(smem_bytes<TM, WG, LO, ASYNC>()), j);
 }
+template <int TM, int WM, bool WG>
+void tc_launch(const Launch& L, const TcJob& j, int64_t grid_m, int64_t max_n, int batch) {
+  if constexpr (WG) {
+    if (j.wg_async) {
+      if (j.a_lo) tc_launch_lo<TM, WM, WG, true, true>(L, j, grid_m, max_n, batch);
+      else tc_launch_lo<TM, WM, WG, false, true>(L, j, grid_m, max_n, batch);
+      return;
+    }
+  }
+  if (j.a_lo) tc_launch_lo<TM, WM, WG, true, false>(L, j, grid_m, max_n, batch);
+  else tc_launch_lo<TM, WM, WG, false, false>(L, j, grid_m, max_n, batch);
+}
+
+}  // namespace
 
 void tc_gemm(const Launch& L, const TcJob& j, int64_t grid_m, int64_t max_n, int batch) {
   if (j.splits > 1) DSV3_CHECK(batch == 1 && !j.grouped && !j.swiglu && j.ws, "split-K: plain single products only");
-  if (j.tm == 128) tc_launch<128, 64>(L, j, grid_m, max_n, batch);
-  else tc_launch<64, 32>(L, j, grid_m, max_n, batch);
+  if (j.wgmma) {
+    DSV3_CHECK(j.tm == 64, "the wgmma form has 64-row tiles");
+    tc_launch<64, 32, true>(L, j, grid_m, max_n, batch);
+  } else if (j.tm == 128) {
+    tc_launch<128, 64, false>(L, j, grid_m, max_n, batch);
+  } else {
+    tc_launch<64, 32, false>(L, j, grid_m, max_n, batch);
+  }
   if (j.splits > 1) {
     const int64_t total = j.M * j.w.rows;
     launch(L, splitk_sum_kernel, dim3(unsigned(std::min<int64_t>((total + 255) / 256, 132 * 8))), dim3(256), 0,
