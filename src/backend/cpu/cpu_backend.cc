@@ -504,7 +504,8 @@ class CpuBackend final : public Backend {
     ph.emplace(prof_, "mla.q_absorb", n, wkv_b_half);
     float* qa = qa_.get(size_t(n * H * C));
     float* ol = ol_.get(size_t(n * H * C));
-    par(H, [&](int64_t b, int64_t e, int t) {
+    // Heads in guided chunks (a late or slower thread takes fewer).
+    guided(H, 1, [&](int64_t b, int64_t e, int t) {
       for (int64_t h = b; h < e; ++h)
         k_.matmul_t(q + h * qk, n, H * qk, w.wkv_b, h * (nope + V), nope, qa + h * C, H * C, scratch(t));
     });
@@ -536,7 +537,7 @@ class CpuBackend final : public Backend {
     });
     // out[i, h, :] = ol[i, h, :] . wkv_b[h, nope:, :]^T
     ph.emplace(prof_, "mla.v_out", n, wkv_b_half);
-    par(H, [&](int64_t b, int64_t e, int t) {
+    guided(H, 1, [&](int64_t b, int64_t e, int t) {
       for (int64_t h = b; h < e; ++h)
         k_.matmul(ol + h * C, n, H * C, w.wkv_b, h * (nope + V) + nope, V, out + h * V, H * V, scratch(t));
     });
