@@ -18,7 +18,7 @@
 #include <string>
 #include <vector>
 
-#include "anchors_h200.h"
+#include "tools/anchors_h200.h"
 #include "backend/cuda/cuda_backend.h"
 #include "model/model.h"
 

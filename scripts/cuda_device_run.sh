@@ -7,7 +7,8 @@
 #   scripts/cuda_device_run.sh --deps            # on the development machine, once
 #   OUT=/tmp/out scripts/cuda_device_run.sh      # on the GPU machine (device tool: carry .devdeps)
 # Environment: TESTS (gtest filter, default all CUDA tests; "none" to skip), BENCH_ARGS (for
-# dsv3_cuda_bench; "none" to skip), SANITIZE=1 (compute-sanitizer memcheck over the op tests).
+# dsv3_cuda_bench; "none" to skip), SANITIZE=1 (compute-sanitizer memcheck over the op tests),
+# CLI=1 (also build `dsv3` with the bench command) and CLI_ARGS (run it, e.g. "bench --device cuda ...").
 set -u
 cd "$(dirname "$0")/.."
 ROOT=$PWD
@@ -56,6 +57,12 @@ compile "$DEPS/gtest/src/gtest-all.cc" "$B/gtest-all.o" g++ -std=c++17 -O2 -I$DE
 compile "$DEPS/gtest/src/gtest_main.cc" "$B/gtest_main.o" g++ -std=c++17 -O2 -I$DEPS/gtest/include
 compile tests/cuda_backend_test.cc "$B/test.o" g++ $CXXFLAGS -Itests "-DDSV3_TEST_DATA=\"$ROOT/tests/data\""
 compile bench/cuda_bench.cc "$B/bench.o" g++ $CXXFLAGS -Ibench
+if [ "${CLI:-0}" = 1 ]; then  # the dsv3 binary with the bench command only (for --device cuda)
+  mkdir -p "$B/cli"
+  for s in src/backend/registry.cc src/backend/cpu/*.cc src/tools/main.cc src/tools/cmd_bench.cc; do
+    compile "$s" "$B/cli/$(echo "$s" | tr / _).o" g++ $CXXFLAGS
+  done
+fi
 wait
 fail=0
 ls "$B"/FAILED_* > /dev/null 2>&1 && fail=1
@@ -64,6 +71,7 @@ LIBS="-L/usr/local/cuda/lib64 -lcublas -lcublasLt -lcudart -lpthread"
 if [ $fail = 0 ]; then
   g++ -o "$B/tests" "$B/test.o" $B/obj/*.o "$B/gtest-all.o" "$B/gtest_main.o" $LIBS || fail=1
   g++ -o "$B/bench" "$B/bench.o" $B/obj/*.o $LIBS || fail=1
+  if [ "${CLI:-0}" = 1 ]; then g++ -o "$B/dsv3" $B/cli/*.o $B/obj/*.o $LIBS || fail=1; fi
 fi
 log "build done in $(( $(date +%s) - t0 )) s, fail=$fail"
 [ $fail = 0 ] || exit 1
@@ -82,6 +90,12 @@ if [ "$BENCH_ARGS" != none ]; then
   timeout ${BENCH_TIMEOUT:-200} "$B/bench" --json "$OUT/bench.json" $BENCH_ARGS > "$OUT/bench.log" 2>&1
   log "bench rc=$?"
   cat "$OUT/bench.log" | tee -a "$OUT/summary.txt"
+fi
+if [ -n "${CLI_ARGS:-}" ]; then  # e.g. CLI=1 CLI_ARGS="bench --device cuda --model DIR"
+  log "dsv3 $CLI_ARGS"
+  timeout 200 "$B/dsv3" $CLI_ARGS > "$OUT/cli.log" 2>&1
+  log "dsv3 rc=$?"
+  cat "$OUT/cli.log" | tee -a "$OUT/summary.txt"
 fi
 if [ "${SANITIZE:-0}" = 1 ]; then
   log "compute-sanitizer memcheck over the op tests"

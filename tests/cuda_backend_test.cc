@@ -3,6 +3,15 @@
 // golden float32 logits of every case. Every test skips cleanly where no GPU is present.
 #include <gtest/gtest.h>
 
+#include <cstdlib>
+#include <fstream>
+#include <iterator>
+#include <string>
+
+#include <nlohmann/json.hpp>
+
+#include "golden_util.h"
+
 #ifdef DSV3_HAVE_CUDA
 
 #include <algorithm>
@@ -533,4 +542,47 @@ INSTANTIATE_TEST_SUITE_P(Cases, CudaGolden, ::testing::ValuesIn(golden_params())
 
 TEST(CudaBackend, NotBuilt) { GTEST_SKIP() << "built without CUDA (-DDSV3_CUDA=OFF or no nvcc)"; }
 
+#endif
+
+#ifdef DSV3_BINARY  // the dsv3 binary is built beside the tests (not in the GPU machine's build)
+namespace {
+
+bool gpu_usable() {
+#ifdef DSV3_HAVE_CUDA
+  return dsv3::cuda::device_available();
+#else
+  return false;
+#endif
+}
+
+// `dsv3 bench --device cuda`: on a GPU, one JSON object with the HBM floor; without one (or
+// without the CUDA build), a one-line error naming the option; an unknown device is refused.
+TEST(BenchCommand, DeviceCuda) {
+  const std::string dir = ::testing::TempDir(), out = dir + "/dsv3_bench_cuda.json", err = dir + "/dsv3_bench_cuda.err";
+  const std::string cmd = std::string(DSV3_BINARY) + " bench --device cuda --model " +
+                          dsv3::testing_util::case_dir("v2lite_bf16") +
+                          "/hf --batch 1,3 --prompt 24 --gen 3 --decode-ctx 5 --bw-gb 0.05 --json > " + out + " 2> " + err;
+  const int rc = std::system(cmd.c_str());
+  std::ifstream ef(err);
+  const std::string msg((std::istreambuf_iterator<char>(ef)), std::istreambuf_iterator<char>());
+  if (gpu_usable()) {
+    ASSERT_EQ(rc, 0) << cmd << "\n" << msg;
+    std::ifstream f(out);
+    nlohmann::json j = nlohmann::json::parse(f);
+    EXPECT_EQ(j["device"].get<std::string>(), "cuda");
+    EXPECT_GT(j["read_bandwidth_GBps"].get<double>(), 100);
+    ASSERT_EQ(j["decode"].size(), 2u);
+    EXPECT_GT(j["decode"][0]["fraction_of_floor"].get<double>(), 0);
+  } else {
+    EXPECT_NE(rc, 0);
+    EXPECT_NE(msg.find("--device cuda"), std::string::npos) << msg;
+  }
+  const std::string bad = std::string(DSV3_BINARY) + " bench --device gpu --model x > /dev/null 2> " + err;
+  EXPECT_NE(std::system(bad.c_str()), 0);
+  std::ifstream bf(err);
+  const std::string bmsg((std::istreambuf_iterator<char>(bf)), std::istreambuf_iterator<char>());
+  EXPECT_NE(bmsg.find("--device must be cpu or cuda"), std::string::npos) << bmsg;
+}
+
+}  // namespace
 #endif

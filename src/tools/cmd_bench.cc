@@ -1,7 +1,9 @@
 // dsv3 bench: prefill and decode speed of a model on this machine, each beside the floor it
 // measures itself: read bandwidth (a STREAM-style multi-threaded sum) against the bytes a decode
 // step reads (weights at stored width, the routed experts actually hit, the KV cache), and the
-// peak of the matrix arithmetic the backend uses against prefill's useful FLOPs.
+// peak of the matrix arithmetic the backend uses against prefill's useful FLOPs. With
+// --device cuda (the CUDA backend): the GPU's measured copy bandwidth (HBM floor) and, for the
+// DeepSeek-V2-Lite ("16B") shape, the ratios to the reference's and transformers' H200 speeds.
 #include <sys/resource.h>
 
 #include <algorithm>
@@ -26,7 +28,11 @@
 #include "io/checkpoint.h"
 #include "model/model.h"
 #include "model/weights.h"
+#include "tools/anchors_h200.h"
 #include "tools/command.h"
+#ifdef DSV3_HAVE_CUDA
+#include "backend/cuda/cuda_backend.h"
+#endif
 
 namespace dsv3 {
 namespace {
@@ -97,10 +103,26 @@ double prefill_flops(const ModelArgs& a, int64_t P) {
 
 int argmax_row(const float* v, int n) { return int(std::max_element(v, v + n) - v); }
 
+// The shape of the reference's configs/config_16B.json (the anchors' model).
+bool is_16b_shape(const ModelArgs& a) {
+  return a.dim == 2048 && a.n_layers == 27 && a.n_heads == 16 && a.n_routed_experts == 64 &&
+         a.n_activated_experts == 6 && a.n_shared_experts == 2 && a.moe_inter_dim == 1408 && a.kv_lora_rank == 512 &&
+         a.q_lora_rank == 0 && a.vocab_size == 102400;
+}
+
+// "  x12.3 reference  x4.5 transformers" for the 16B shape on the GPU (an anchor <= 0: none).
+std::string anchor_ratios(double tok_s, double ref, double hf) {
+  char b[96] = "";
+  int n = 0;
+  if (ref > 0) n += std::snprintf(b + n, sizeof b - size_t(n), "; x%.1f the reference", tok_s / ref);
+  if (hf > 0) std::snprintf(b + n, sizeof b - size_t(n), ", x%.1f transformers", tok_s / hf);
+  return b;
+}
+
 int run_bench(int argc, char** argv) {
   Args args(argc, argv,
-            {"model", "config", "backend", "batch", "prompt", "gen", "threads", "decode-ctx", "kv-cache-gb", "bw-gb", "seed",
-             "attn"},
+            {"model", "config", "backend", "device", "batch", "prompt", "gen", "threads", "decode-ctx", "kv-cache-gb", "bw-gb",
+             "seed", "attn"},
             {"json", "mlock"});
   const bool json = args.has("json");
   FILE* out = json ? stderr : stdout;
@@ -110,7 +132,10 @@ int run_bench(int argc, char** argv) {
     ThreadPool::set_global_threads(int(t));
   }
   ThreadPool& pool = ThreadPool::global();
-  const std::string backend = args.get("backend", "cpu");
+  const std::string device = args.get("device", "cpu");
+  if (device != "cpu" && device != "cuda") fail("--device must be cpu or cuda, got '", device, "'");
+  const std::string backend = device == "cuda" ? "cuda" : args.get("backend", "cpu");
+  const bool gpu = backend == "cuda";
   const std::vector<int> batches = parse_list(args.get("batch", "1,8"), "batch");
   const long prompt = args.get_int("prompt", 512), gen = args.get_int("gen", 32);
   const long ctx = args.get_int("decode-ctx", 64);
@@ -122,15 +147,33 @@ int run_bench(int argc, char** argv) {
   // 1. The floors, before the model's pages compete for the caches.
   const cpu::Isa isa = cpu::best_isa();
   std::fprintf(out, "machine: %s, %d threads, load average %.2f\n", cpu_model_name().c_str(), pool.size(), load0[0]);
-  const double bw = cpu::read_bandwidth_gbps(pool, size_t(bw_gb * 1e9));
-  const cpu::Isa arith_isa = backend == "cpu" ? isa : cpu::Isa::kScalar;
-  const double fma_peak = cpu::fma_peak_flops(pool, arith_isa);
-  const double peak = arith_isa == cpu::Isa::kAmx ? cpu::matrix_peak_flops(pool, arith_isa) : fma_peak;
-  // AMX carries each activation as two bf16 columns (hi + lo): a useful multiply-add costs two.
-  const double split = arith_isa == cpu::Isa::kAmx ? 2.0 : 1.0;
-  const std::string arith = backend == "cpu" ? cpu::matrix_arith_name(isa) : "fp32 (ref: scalar loops)";
-  std::fprintf(out, "read bandwidth: %.1f GB/s (sum over %.1f GB); float32 FMA peak %.1f GFLOP/s; matrix peak: %.1f GFLOP/s of %s\n",
-               bw, bw_gb, fma_peak / 1e9, peak / 1e9, arith.c_str());
+  double bw = 0, fma_peak = 0, peak = 0, split = 1;
+  std::string arith;
+  if (gpu) {
+#ifdef DSV3_HAVE_CUDA
+    std::string why;
+    if (!cuda::device_available(&why)) fail("--device cuda: ", why);
+    bw = cuda::copy_bandwidth_gbps(size_t(bw_gb * 1e9 / 2), 20);
+    // The matrix rate is not measured here: the anchors' bf16 matmul rate on the H200.
+    peak = anchors::kBf16MatmulTFlops * 1e12;
+    arith = "bf16 tensor cores (the H200 anchors' measured matmul rate)";
+    std::fprintf(out, "GPU copy bandwidth: %.0f GB/s (device to device, read + write; the HBM floor); matrix peak: %.1f "
+                      "TFLOP/s of %s\n", bw, peak / 1e12, arith.c_str());
+#else
+    fail("--device cuda: this build has no CUDA backend (built without nvcc or with -DDSV3_CUDA=OFF)");
+#endif
+  } else {
+    bw = cpu::read_bandwidth_gbps(pool, size_t(bw_gb * 1e9));
+    const cpu::Isa arith_isa = backend == "cpu" ? isa : cpu::Isa::kScalar;
+    fma_peak = cpu::fma_peak_flops(pool, arith_isa);
+    peak = arith_isa == cpu::Isa::kAmx ? cpu::matrix_peak_flops(pool, arith_isa) : fma_peak;
+    // AMX carries each activation as two bf16 columns (hi + lo): a useful multiply-add costs two.
+    split = arith_isa == cpu::Isa::kAmx ? 2.0 : 1.0;
+    arith = backend == "cpu" ? cpu::matrix_arith_name(isa) : "fp32 (ref: scalar loops)";
+    std::fprintf(out,
+                 "read bandwidth: %.1f GB/s (sum over %.1f GB); float32 FMA peak %.1f GFLOP/s; matrix peak: %.1f GFLOP/s of %s\n",
+                 bw, bw_gb, fma_peak / 1e9, peak / 1e9, arith.c_str());
+  }
 
   // 2. The model.
   auto ck = Checkpoint::open(args.require("model"), args.get("config"));
@@ -161,8 +204,11 @@ int run_bench(int argc, char** argv) {
     }
   const int64_t fixed_bytes = st.decode_bytes_per_token - n_moe * a.n_activated_experts * expert_bytes;
   // Page every weight in once (from the page cache or disk), so timings see resident weights.
+  // (On the GPU the weights were copied to device memory when the model was made.)
   int64_t total_bytes = 0;
-  {
+  if (gpu) {
+    for (auto& [k, b] : st.bytes_by_dtype) total_bytes += b;
+  } else {
     volatile uint8_t sink = 0;
     auto touch = [&](const TensorView& t) {
       if (t.empty()) return;
@@ -205,7 +251,16 @@ int run_bench(int argc, char** argv) {
   std::fprintf(out, "prefill: %ld tokens in %.2f s = %.1f tok/s (time to first token %.2f s); %.1f GFLOP/s = %.0f%% of the matrix peak",
                prompt, ttft, double(prompt) / ttft, ttft, pflops / ttft / 1e9, 100 * pflops / ttft / peak);
   if (split > 1) std::fprintf(out, " (%.0f%% of the hi+lo useful peak %.1f GFLOP/s)", 100 * pflops / ttft / (peak / split), peak / split / 1e9);
-  std::fprintf(out, "; got %.0f%% of the cores\n", 100 * prefill_share);
+  if (gpu) {
+    const bool fp8 = st.bytes_by_dtype.count("F8_E4M3") > 0;
+    const bool anchored = is_16b_shape(a) && prompt == 1024;
+    std::fprintf(out, "%s\n", anchored ? anchor_ratios(double(prompt) / ttft, fp8 ? anchors::kRefFp8Bf16GemmPrefill1024
+                                                                                  : anchors::kRefBf16Prefill1024,
+                                                       anchors::kHfBf16Prefill1024).c_str()
+                                       : "");
+  } else {
+    std::fprintf(out, "; got %.0f%% of the cores\n", 100 * prefill_share);
+  }
 
   // 4. Decode at each batch size: prefill `ctx` tokens per row (not timed), then `gen` steps.
   nlohmann::json dec = nlohmann::json::array();
@@ -232,11 +287,22 @@ int run_bench(int argc, char** argv) {
     const double bytes = double(fixed_bytes) + experts_per_layer * double(n_moe) * double(expert_bytes) + kv_bytes;
     const double tok_s = double(B) * double(gen) / secs;
     const double floor_tok_s = double(B) / (bytes / (bw * 1e9));
+    std::string tail = str("; got ", int(100 * share + 0.5), "% of the cores");
+    if (gpu) {
+      const bool fp8 = st.bytes_by_dtype.count("F8_E4M3") > 0;
+      double ref = 0, hf = 0;
+      if (is_16b_shape(a) && (B == 1 || B == 8)) {
+        ref = fp8 ? (B == 1 ? anchors::kRefFp8Bf16GemmDecodeB1 : anchors::kRefFp8DecodeB8)
+                  : (B == 1 ? anchors::kRefBf16DecodeB1 : anchors::kRefBf16DecodeB8);
+        hf = fp8 ? 0 : (B == 1 ? anchors::kHfBf16DecodeB1 : anchors::kHfBf16DecodeB8);
+      }
+      tail = anchor_ratios(tok_s, ref, hf);
+    }
     std::fprintf(out,
                  "decode batch %d: %.2f tok/s (%.1f ms/step); reads %.3f GB/step (%.1f experts/layer %s) -> floor %.2f tok/s; "
-                 "%.0f%% of the bandwidth floor; got %.0f%% of the cores\n",
+                 "%.0f%% of the %s floor%s\n",
                  B, tok_s, 1e3 * secs / double(gen), bytes / 1e9, experts_per_layer, measured ? "measured" : "estimated",
-                 floor_tok_s, 100 * tok_s / floor_tok_s, 100 * share);
+                 floor_tok_s, 100 * tok_s / floor_tok_s, gpu ? "HBM" : "bandwidth", tail.c_str());
     dec.push_back({{"batch", B},
                    {"steps", gen},
                    {"context", ctx},
@@ -257,11 +323,13 @@ int run_bench(int argc, char** argv) {
   getloadavg(load1, 3);
   std::fprintf(out, "memory: peak RSS %.2f GB (now: %.2f GB file-backed weights, %.2f GB anonymous); KV cache sized %.3f GB\n",
                double(peak_rss) / 1e9, double(file) / 1e9, double(anon) / 1e9, double(model.kv_cache_bytes()) / 1e9);
-  std::fprintf(out, "load average: %.2f at start, %.2f at end (2 cores are shared: numbers are noisy when it is high)\n",
-               load0[0], load1[0]);
+  if (!gpu)
+    std::fprintf(out, "load average: %.2f at start, %.2f at end (shared cores: numbers are noisy when it is high)\n",
+                 load0[0], load1[0]);
   if (json) {
     nlohmann::json j = {{"model", args.require("model")},
                         {"backend", backend},
+                        {"device", gpu ? "cuda" : "cpu"},
                         {"isa", backend == "cpu" ? cpu::isa_name(isa) : "n/a"},
                         {"machine", cpu_model_name()},
                         {"threads", pool.size()},
@@ -296,7 +364,7 @@ int run_bench(int argc, char** argv) {
 }  // namespace
 
 DSV3_COMMAND(bench,
-             "--model DIR [--backend cpu|ref] [--batch 1,8,32] [--prompt 512] [--gen 32] [--decode-ctx 64] [--threads N] "
+             "--model DIR [--backend cpu|ref] [--device cpu|cuda] [--batch 1,8,32] [--prompt 512] [--gen 32] [--decode-ctx 64] [--threads N] "
              "[--kv-cache-gb G] [--mlock] [--json]: prefill and decode speed beside the measured bandwidth and matrix floors",
              run_bench);
 
