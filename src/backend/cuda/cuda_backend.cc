@@ -46,6 +46,7 @@ CudaOptions CudaOptions::from_env() {
   o.tc_tm = env_int("DSV3_CUDA_TC_TM", o.tc_tm);
   o.wgmma = env_flag("DSV3_CUDA_WGMMA", o.wgmma);
   o.wg_async = env_flag("DSV3_CUDA_WG_ASYNC", o.wg_async);
+  o.attn_chunk = env_int("DSV3_CUDA_ATTN_CHUNK", o.attn_chunk);
   o.profile = env_flag("DSV3_CUDA_PROFILE", o.profile);
   return o;
 }
@@ -855,7 +856,7 @@ class CudaBackend final : public Backend {
   // [0, end) decompressed through wkv_b (as the naive form; 192 + 128 multiply-adds per
   // (query, key, head) instead of the absorbed form's 1088), then per head cuBLAS GEMMs for the
   // scores (nope part batched over heads, rope part shared), a causal softmax and the values,
-  // in chunks of 512 queries. Float32 GEMMs (bf16 tensor cores in fast mode). out [n, H * V].
+  // in chunks of `attn_chunk` (512) queries. Float32 GEMMs (bf16 tensor cores in fast mode). out [n, H * V].
   void mla_runs(const cuda::MlaDims& d, const DevPos* pos, const std::vector<std::pair<int64_t, int64_t>>& runs,
                 const TokenPos* tp, int64_t tp_n, const float* q, const LayerCache& cache, const DevLinear& wkv_b,
                 float* S, float* out) {
@@ -871,8 +872,9 @@ class CudaBackend final : public Backend {
       float* kvb = f32(kKvb, size_t(end * H * KV));  // [end, H, nope + V]
       run_linear(wkv_b, kvs, end, kvb, H * KV, /*exact=*/true);
       mark("mla.attn");
-      for (int64_t c0 = r0; c0 < r1; c0 += 512) {
-        const int64_t c1 = std::min(r1, c0 + 512), Lk = tp[c1 - 1].pos + 1, m = c1 - c0;
+      const int64_t chunk = std::max(opt_.attn_chunk, 1);
+      for (int64_t c0 = r0; c0 < r1; c0 += chunk) {
+        const int64_t c1 = std::min(r1, c0 + chunk), Lk = tp[c1 - 1].pos + 1, m = c1 - c0;
         float* Sc = S + c0 * H * ML;
         // S[i, h, t] = scale * (q_nope[i, h] · k_nope[t, h] + q_pe[i, h] · pe[t])
         CB(cublasGemmStridedBatchedEx(cublas_, CUBLAS_OP_T, CUBLAS_OP_N, int(Lk), int(m), int(nope), &scale, kvb,

@@ -16,6 +16,7 @@ struct CudaOptions {
                         // and float32 attention, float32-grade results
   bool wgmma = true;    // the pipelined kernel's sm_90a wgmma form where K % 64 == 0 (DSV3_CUDA_WGMMA=0: mma.sync)
   bool wg_async = false; // its wgmma form keeps one MMA group in flight (DSV3_CUDA_WG_ASYNC=1)
+  int attn_chunk = 512; // queries per chunk of the long-run attention (DSV3_CUDA_ATTN_CHUNK)
   int tc_tm = 64;       // rows per tile of the pipelined kernel: 64 or 128 (DSV3_CUDA_TC_TM)
   int fast_min = 64;    // fast mode only for steps of at least this many tokens (DSV3_CUDA_FAST_MIN)
   bool cublas = false;  // bf16 dense GEMMs through cuBLAS for many tokens (DSV3_CUDA_CUBLAS=1)
