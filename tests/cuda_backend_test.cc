@@ -20,6 +20,7 @@
 #include <random>
 
 #include "backend/cuda/cuda_backend.h"
+#include "backend/ref/fp8.h"
 #include "golden_util.h"
 #include "io/checkpoint.h"
 #include "io/safetensors.h"
@@ -226,6 +227,40 @@ TEST(CudaOps, LinearMatchesRef) {
                             << mode;
       }
     }
+  }
+}
+
+// act_quant on the GPU: bits and scales identical to the reference's (golden kernels), and to
+// the host twin on random rows with an all-zero block, tiny and saturating values.
+TEST(CudaOps, ActQuantBitExact) {
+  REQUIRE_GPU();
+  auto cuda = make_cuda_backend(opts());
+  SafetensorsFile g(golden_dir() + "/kernels.safetensors");
+  TensorView x = g.get("act_quant.x");
+  const std::vector<float> xf = to_floats(x);
+  const int64_t rows = x.dim(0), cols = x.dim(1);
+  std::vector<float> xr = randn(size_t(9 * 384), 77, 3.f);
+  for (int i = 0; i < 128; ++i) xr[size_t(128 + i)] = 0.f;       // amax below the 1e-4 floor
+  for (int i = 0; i < 128; ++i) xr[size_t(512 + i)] *= 1e-7f;     // tiny
+  xr[1000] = 3e4f, xr[1001] = -7e5f;                               // far above the others
+  for (bool ue8m0 : {false, true}) {
+    const char* fmt = ue8m0 ? "ue8m0" : "none";
+    Dev xd(*cuda, xf);
+    std::vector<uint8_t> y(size_t(rows * cols));
+    std::vector<float> sc(size_t(rows * cols / 128));
+    cuda::act_quant_for_test(*cuda, xd.p, rows, cols, ue8m0, y.data(), sc.data());
+    TensorView wy = g.get(std::string("act_quant.") + fmt + ".y_bits"), ws = g.get(std::string("act_quant.") + fmt + ".s");
+    int bad = 0;
+    for (int64_t i = 0; i < rows * cols; ++i) bad += y[size_t(i)] != wy.as<uint8_t>()[i];
+    for (int64_t i = 0; i < int64_t(sc.size()); ++i) bad += sc[size_t(i)] != ws.as<float>()[i];
+    EXPECT_EQ(bad, 0) << fmt << " golden";
+    Dev rd(*cuda, xr);
+    std::vector<uint8_t> ry(xr.size()), hy(xr.size());
+    std::vector<float> rs(xr.size() / 128), hs(xr.size() / 128);
+    cuda::act_quant_for_test(*cuda, rd.p, 9, 384, ue8m0, ry.data(), rs.data());
+    act_quant(xr.data(), 9, 384, ue8m0, hy.data(), hs.data());
+    EXPECT_EQ(ry, hy) << fmt << " random";
+    EXPECT_EQ(rs, hs) << fmt << " random";
   }
 }
 

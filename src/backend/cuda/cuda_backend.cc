@@ -581,6 +581,18 @@ class CudaBackend final : public Backend {
     cuda::mla_naive_values(L_, d, pos, n, S, cache.v, out);
   }
 
+  // Test hook: act_quant.
+  void act_quant(const float* x, int64_t rows, int64_t cols, bool ue8m0, uint8_t* y, float* s) {
+    flush_add();
+    const size_t n = size_t(rows * cols), nb = n / 128;
+    uint8_t* dy = static_cast<uint8_t*>(scratch(kTopk, n + nb * 4 + 16));
+    float* ds = reinterpret_cast<float*>(dy + (n + 15) / 16 * 16);
+    cuda::act_quant(L_, x, rows, cols, ue8m0, dy, ds);
+    CK(cudaMemcpyAsync(y, dy, n, cudaMemcpyDeviceToHost, stream_));
+    CK(cudaMemcpyAsync(s, ds, nb * 4, cudaMemcpyDeviceToHost, stream_));
+    CK(cudaStreamSynchronize(stream_));
+  }
+
   // Test hook: the router alone.
   void route(const ModelArgs& a, const float* logits, const float* bias, int64_t n, int32_t* idx, float* wts) {
     flush_add();
@@ -981,6 +993,10 @@ std::string profile_report(Backend& b, bool reset) { return as_cuda(b).profile_r
 void route_for_test(Backend& b, const ModelArgs& a, const float* logits, const float* bias, int64_t n, int32_t* idx,
                     float* w) {
   as_cuda(b).route(a, logits, bias, n, idx, w);
+}
+
+void act_quant_for_test(Backend& b, const float* x, int64_t rows, int64_t cols, bool ue8m0, uint8_t* y, float* s) {
+  as_cuda(b).act_quant(x, rows, cols, ue8m0, y, s);
 }
 
 double copy_bandwidth_gbps(size_t bytes, int reps) {

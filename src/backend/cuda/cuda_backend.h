@@ -52,6 +52,11 @@ void route_for_test(Backend& cuda_backend, const ModelArgs& a, const float* logi
 // reset, one line each, largest first.
 std::string profile_report(Backend& cuda_backend, bool reset = true);
 
+// act_quant (kernels.h) on x [rows, cols] already in `cuda_backend`'s memory; e4m3 bytes and
+// scales to the host. For tests.
+void act_quant_for_test(Backend& cuda_backend, const float* x, int64_t rows, int64_t cols, bool ue8m0, uint8_t* y,
+                        float* s);
+
 // Device-to-device copy bandwidth in GB/s, counting bytes read plus bytes written.
 double copy_bandwidth_gbps(size_t bytes, int reps);
 

@@ -139,6 +139,33 @@ void split_bf16(const Launch& L, const float* x, int64_t n, void* hi, void* lo) 
          static_cast<__nv_bfloat16*>(lo));
 }
 
+namespace {
+// One warp per 128 values: s = max(amax, 1e-4) * (1/448) (ue8m0: 2^ceil(log2 s)), y = e4m3(x / s)
+// rounded to nearest even, saturated — kernel.py's act_quant, operation for operation.
+__global__ void act_quant_kernel(const float* __restrict__ x, int64_t blocks, bool ue8m0, uint8_t* __restrict__ y,
+                                 float* __restrict__ s) {
+  pdl_wait();
+  pdl_trigger();
+  const int64_t b = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) >> 5;
+  const int lane = threadIdx.x & 31;
+  if (b >= blocks) return;  // the whole warp
+  const float4 v = reinterpret_cast<const float4*>(x + b * 128)[lane];
+  float amax = fmaxf(fmaxf(fabsf(v.x), fabsf(v.y)), fmaxf(fabsf(v.z), fabsf(v.w)));
+  amax = fmaxf(warp_max(amax), 1e-4f);
+  float sc = __fmul_rn(amax, 1.f / 448.f);
+  if (ue8m0) sc = exp2f(ceilf(log2f(sc)));
+  if (lane == 0) s[b] = sc;
+  auto q = [&](float f) { return uint32_t(__nv_cvt_float_to_fp8(__fdiv_rn(f, sc), __NV_SATFINITE, __NV_E4M3)); };
+  reinterpret_cast<uint32_t*>(y + b * 128)[lane] = q(v.x) | q(v.y) << 8 | q(v.z) << 16 | q(v.w) << 24;
+}
+}  // namespace
+
+void act_quant(const Launch& L, const float* x, int64_t rows, int64_t cols, bool ue8m0, uint8_t* y, float* s) {
+  DSV3_CHECK(cols % 128 == 0, "act_quant needs cols % 128 == 0, got ", cols);
+  const int64_t blocks = rows * cols / 128;
+  launch(L, act_quant_kernel, dim3(unsigned((blocks + 7) / 8)), dim3(256), 0, x, blocks, ue8m0, y, s);
+}
+
 void fill_random(const Launch& L, void* p, int32_t t, int64_t n, float a, uint64_t seed, bool const_value) {
   launch(L, fill_kernel, dim3(grid_for(n, 256)), dim3(256), 0, p, t, n, a, seed, const_value);
 }
