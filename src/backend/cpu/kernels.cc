@@ -10,6 +10,7 @@
 #include <cstring>
 
 #include "backend/ref/fp8.h"
+#include "backend/ref/rows.h"
 #include "core/dtype.h"
 #include "core/error.h"
 
@@ -34,40 +35,13 @@ void* Scratch::get(int i, size_t bytes) {
 
 namespace {
 
-// Row `row` of a Linear as float32, FP8 rows times their block scales (ref's weight_row).
-void row_f32(const Linear& w, int64_t row, float* out) {
-  const int64_t in = w.in();
-  if (w.fp8()) {
-    const uint8_t* q = w.weight.as<uint8_t>() + row * in;
-    const float* s = w.scale.as<float>() + (row / 128) * ((in + 127) / 128);
-    for (int64_t k = 0; k < in; ++k) out[k] = kE4m3[q[k]] * s[k / 128];
-  } else if (w.weight.dtype == DType::BF16) {
-    const uint16_t* q = w.weight.as<uint16_t>() + row * in;
-    for (int64_t k = 0; k < in; ++k) out[k] = bf16_to_f32(q[k]);
-  } else if (w.weight.dtype == DType::F32) {
-    std::memcpy(out, w.weight.as<float>() + row * in, size_t(in) * 4);
-  } else {
-    for (int64_t k = 0; k < in; ++k) out[k] = load_f32(w.weight, row * in + k);
-  }
-}
-
-float dot(const float* a, const float* b, int64_t n) {
-  float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-  int64_t i = 0;
-  for (; i + 8 <= n; i += 8)
-    for (int j = 0; j < 8; ++j) acc[j] += a[i + j] * b[i + j];
-  float s = ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
-  for (; i < n; ++i) s += a[i] * b[i];
-  return s;
-}
-
 void matmul_scalar(const float* x, int64_t M, int64_t ldx, const Linear& w, int64_t r0, int64_t nr, float* y,
                    int64_t ldy, Scratch& s) {
   const int64_t K = w.in();
   float* row = s.get<float>(0, size_t(K));
   for (int64_t j = 0; j < nr; ++j) {
-    row_f32(w, r0 + j, row);
-    for (int64_t m = 0; m < M; ++m) y[m * ldy + j] = dot(x + m * ldx, row, K);
+    weight_row_f32(w, r0 + j, row);
+    for (int64_t m = 0; m < M; ++m) y[m * ldy + j] = dot_f32(x + m * ldx, row, K);
   }
 }
 
@@ -77,7 +51,7 @@ void matmul_t_scalar(const float* x, int64_t M, int64_t ldx, const Linear& w, in
   float* row = s.get<float>(0, size_t(C));
   for (int64_t m = 0; m < M; ++m) std::fill(y + m * ldy, y + m * ldy + C, 0.f);
   for (int64_t d = 0; d < nd; ++d) {
-    row_f32(w, d0 + d, row);
+    weight_row_f32(w, d0 + d, row);
     for (int64_t m = 0; m < M; ++m) {
       const float xv = x[m * ldx + d];
       float* ym = y + m * ldy;
@@ -89,7 +63,7 @@ void matmul_t_scalar(const float* x, int64_t M, int64_t ldx, const Linear& w, in
 void gemm_nt_f32_scalar(const float* a, int64_t lda, const float* b, int64_t ldb, int64_t M, int64_t N, int64_t K,
                         float alpha, float* c, int64_t ldc) {
   for (int64_t i = 0; i < M; ++i)
-    for (int64_t j = 0; j < N; ++j) c[i * ldc + j] = alpha * dot(a + i * lda, b + j * ldb, K);
+    for (int64_t j = 0; j < N; ++j) c[i * ldc + j] = alpha * dot_f32(a + i * lda, b + j * ldb, K);
 }
 
 void gemm_nn_acc_f32_scalar(const float* p, int64_t ldp, const float* v, int64_t ldv, int64_t M, int64_t N, int64_t J,
@@ -104,7 +78,7 @@ void gemm_nn_acc_f32_scalar(const float* p, int64_t ldp, const float* v, int64_t
 void rmsnorm_scalar(const float* x, int64_t sx, int64_t n, int64_t d, const float* w, float eps, float* y, int64_t sy) {
   for (int64_t i = 0; i < n; ++i) {
     const float* xi = x + i * sx;
-    const float r = 1.f / std::sqrt(dot(xi, xi, d) / float(d) + eps);
+    const float r = 1.f / std::sqrt(dot_f32(xi, xi, d) / float(d) + eps);
     for (int64_t k = 0; k < d; ++k) y[i * sy + k] = xi[k] * r * w[k];
   }
 }

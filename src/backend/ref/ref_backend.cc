@@ -8,6 +8,7 @@
 
 #include "backend/backend.h"
 #include "backend/ref/fp8.h"
+#include "backend/ref/rows.h"
 #include "core/error.h"
 #include "core/thread_pool.h"
 #include "model/gate.h"
@@ -15,28 +16,6 @@
 
 namespace dsv3 {
 namespace {
-
-float dot(const float* a, const float* b, int64_t n) {
-  float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-  int64_t i = 0;
-  for (; i + 8 <= n; i += 8)
-    for (int j = 0; j < 8; ++j) acc[j] += a[i + j] * b[i + j];
-  float s = ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
-  for (; i < n; ++i) s += a[i] * b[i];
-  return s;
-}
-
-// Row `o` of a linear weight as float (FP8 rows scaled per 128-column block).
-void weight_row(const Linear& w, int64_t o, float* out) {
-  const int64_t in = w.in();
-  if (w.fp8()) {
-    const uint8_t* q = w.weight.as<uint8_t>() + o * in;
-    const float* s = w.scale.as<float>() + (o / 128) * ((in + 127) / 128);
-    for (int64_t k = 0; k < in; ++k) out[k] = kE4m3[q[k]] * s[k / 128];
-  } else {
-    for (int64_t k = 0; k < in; ++k) out[k] = load_f32(w.weight, o * in + k);
-  }
-}
 
 void tensor_row(const TensorView& t, int64_t row, int64_t len, float* out) {
   for (int64_t k = 0; k < len; ++k) out[k] = load_f32(t, row * len + k);
@@ -64,7 +43,7 @@ class RefBackend final : public Backend {
     parallel_for(n, [&](int64_t b, int64_t e, int) {
       for (int64_t i = b; i < e; ++i) {
         const float* xi = x + i * stride;
-        float ss = dot(xi, xi, d);
+        float ss = dot_f32(xi, xi, d);
         float r = 1.f / std::sqrt(ss / float(d) + eps);
         for (int64_t k = 0; k < d; ++k) y[i * stride + k] = xi[k] * r * wf[size_t(k)];
       }
@@ -76,8 +55,8 @@ class RefBackend final : public Backend {
     parallel_for(out, [&](int64_t b, int64_t e, int) {
       std::vector<float> row(static_cast<size_t>(in));
       for (int64_t o = b; o < e; ++o) {
-        weight_row(w, o, row.data());
-        for (int64_t i = 0; i < n; ++i) y[i * out + o] = dot(x + i * in, row.data(), in);
+        weight_row_f32(w, o, row.data());
+        for (int64_t i = 0; i < n; ++i) y[i * out + o] = dot_f32(x + i * in, row.data(), in);
       }
     }, 16);
   }
@@ -101,7 +80,7 @@ class RefBackend final : public Backend {
     // wkv_b as float: [H, nope + V, C].
     std::vector<float> wkv_b(static_cast<size_t>(H * (nope + V) * C));
     parallel_for(H * (nope + V), [&](int64_t b, int64_t e, int) {
-      for (int64_t o = b; o < e; ++o) weight_row(w.wkv_b, o, wkv_b.data() + o * C);
+      for (int64_t o = b; o < e; ++o) weight_row_f32(w.wkv_b, o, wkv_b.data() + o * C);
     });
     // kv_norm(latent) for the new tokens.
     std::vector<float> latent(static_cast<size_t>(n * C));
@@ -127,12 +106,12 @@ class RefBackend final : public Backend {
           const float* pec = cache.pe + int64_t(tp[i].slot) * max_len * R;
           sc.assign(size_t(len), 0.f);
           for (int64_t t = 0; t < len; ++t)
-            sc[size_t(t)] = (dot(qa.data(), kvc + t * C, C) + dot(qi + nope, pec + t * R, R)) * scale;
+            sc[size_t(t)] = (dot_f32(qa.data(), kvc + t * C, C) + dot_f32(qi + nope, pec + t * R, R)) * scale;
           softmax(sc);
           std::fill(ol.begin(), ol.end(), 0.f);
           for (int64_t t = 0; t < len; ++t)
             for (int64_t c = 0; c < C; ++c) ol[size_t(c)] += sc[size_t(t)] * kvc[t * C + c];
-          for (int64_t d = 0; d < V; ++d) out[i * H * V + h * V + d] = dot(ol.data(), wb + (nope + d) * C, C);
+          for (int64_t d = 0; d < V; ++d) out[i * H * V + h * V + d] = dot_f32(ol.data(), wb + (nope + d) * C, C);
         }
       });
       return;
@@ -144,9 +123,9 @@ class RefBackend final : public Backend {
         const float* wb = wkv_b.data() + h * (nope + V) * C;
         float* kc = cache.k + (row * H + h) * qk;
         float* vc = cache.v + (row * H + h) * V;
-        for (int64_t d = 0; d < nope; ++d) kc[d] = dot(&latent[size_t(i * C)], wb + d * C, C);
+        for (int64_t d = 0; d < nope; ++d) kc[d] = dot_f32(&latent[size_t(i * C)], wb + d * C, C);
         std::memcpy(kc + nope, kv + i * (C + R) + C, size_t(R) * 4);
-        for (int64_t d = 0; d < V; ++d) vc[d] = dot(&latent[size_t(i * C)], wb + (nope + d) * C, C);
+        for (int64_t d = 0; d < V; ++d) vc[d] = dot_f32(&latent[size_t(i * C)], wb + (nope + d) * C, C);
       }
     }
     parallel_for(n * H, [&](int64_t b, int64_t e, int) {
@@ -156,7 +135,7 @@ class RefBackend final : public Backend {
         const float* kc = cache.k + int64_t(tp[i].slot) * max_len * H * qk;
         const float* vc = cache.v + int64_t(tp[i].slot) * max_len * H * V;
         sc.assign(size_t(len), 0.f);
-        for (int64_t t = 0; t < len; ++t) sc[size_t(t)] = dot(q + ih * qk, kc + (t * H + h) * qk, qk) * scale;
+        for (int64_t t = 0; t < len; ++t) sc[size_t(t)] = dot_f32(q + ih * qk, kc + (t * H + h) * qk, qk) * scale;
         softmax(sc);
         float* o = out + i * H * V + h * V;
         std::fill(o, o + V, 0.f);
