@@ -5,6 +5,7 @@
 #include <nlohmann/json.hpp>
 
 #include "core/error.h"
+#include "io/safetensors_writer.h"
 
 namespace dsv3 {
 
@@ -95,39 +96,19 @@ TensorView SafetensorsFile::get(const std::string& name) const {
 
 std::string safetensors_bytes(const std::vector<NamedTensor>& tensors,
                               const std::map<std::string, std::string>& metadata) {
-  json h = json::object();
-  if (!metadata.empty()) h["__metadata__"] = metadata;
-  // Largest element size first (stable): every offset is then a multiple of its tensor's element
-  // size and, with the header padded to 8, the views are aligned (the Python library's layout).
-  std::vector<const NamedTensor*> order;
-  for (auto& t : tensors) order.push_back(&t);
-  std::stable_sort(order.begin(), order.end(), [](const NamedTensor* a, const NamedTensor* b) {
-    return dtype_size(a->dtype) > dtype_size(b->dtype);
-  });
-  uint64_t off = 0;
-  for (const NamedTensor* tp : order) {
-    const NamedTensor& t = *tp;
-    // A repeated name would silently drop the earlier tensor from the header.
-    if (t.name == "__metadata__") fail("safetensors: tensor name '__metadata__' is reserved");
-    if (h.contains(t.name)) fail("safetensors: tensor '", t.name, "' is given more than once");
-    uint64_t n = 1;
-    for (auto d : t.shape) n *= uint64_t(d);
-    n *= dtype_size(t.dtype);
-    h[t.name] = {{"dtype", dtype_name(t.dtype)}, {"shape", t.shape}, {"data_offsets", {off, off + n}}};
-    off += n;
-  }
-  std::string hs = h.dump();
-  while ((8 + hs.size()) % 8) hs += ' ';
-  std::string out(8, '\0');
-  uint64_t hl = hs.size();
-  for (int i = 0; i < 8; ++i) out[size_t(i)] = char((hl >> (8 * i)) & 0xff);
-  out += hs;
-  out.reserve(out.size() + off);
-  for (const NamedTensor* t : order) {
-    uint64_t n = 1;
-    for (auto d : t->shape) n *= uint64_t(d);
-    if (n) out.append(static_cast<const char*>(t->data), n * dtype_size(t->dtype));  // empty: data may be null
-  }
+  // The layout (largest element size first, stable; header padded to 8) is safetensors_header's.
+  std::vector<TensorDecl> decls;
+  decls.reserve(tensors.size());
+  for (const NamedTensor& t : tensors) decls.push_back({t.name, t.dtype, t.shape});
+  std::vector<uint64_t> begin;
+  std::string out = safetensors_header(decls, metadata, &begin);
+  const size_t base = out.size();
+  uint64_t end = 0;
+  for (size_t i = 0; i < decls.size(); ++i) end = std::max(end, begin[i] + decls[i].nbytes());
+  out.resize(base + end);
+  for (size_t i = 0; i < decls.size(); ++i)
+    if (const uint64_t n = decls[i].nbytes())  // empty: data may be null
+      std::memcpy(out.data() + base + begin[i], tensors[i].data, n);
   return out;
 }
 
