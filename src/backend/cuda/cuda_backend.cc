@@ -38,7 +38,6 @@ CudaOptions CudaOptions::from_env() {
   o.graphs = env_flag("DSV3_CUDA_GRAPH", o.graphs);
   o.pdl = env_flag("DSV3_CUDA_PDL", o.pdl);
   o.fast = env_flag("DSV3_CUDA_FAST", o.fast);
-  o.cublas = env_flag("DSV3_CUDA_CUBLAS", o.cublas);
   o.gemv_max = env_int("DSV3_CUDA_GEMV_MAX", o.gemv_max);
   o.graph_max = env_int("DSV3_CUDA_GRAPH_MAX", o.graph_max);
   o.tc_min = env_int("DSV3_CUDA_TC_MIN", o.tc_min);
@@ -172,7 +171,7 @@ class CudaBackend final : public Backend {
     CK(cudaMalloc(&counter_, sizeof(unsigned)));
     CK(cudaMemset(counter_, 0, sizeof(unsigned)));
     CK(cudaEventCreateWithFlags(&staging_done_, cudaEventDisableTiming));
-    // cuBLAS (prefill attention, optional dense GEMMs) set up now: never during graph capture.
+    // cuBLAS (the prefill attention) set up now: never during graph capture.
     CB(cublasCreate(&cublas_));
     CB(cublasSetStream(cublas_, stream_));
     CB(cublasSetWorkspace(cublas_, scratch(kCublasWs, 32 << 20), 32 << 20));
@@ -825,9 +824,6 @@ class CudaBackend final : public Backend {
       cuda::tc_gemm(L_, j, cuda::tc_tiles(n, j.tm), w.rows);
     } else if (n <= opt_.gemv_max || w.t == cuda::kF32 || !cuda::gemm_ok(w)) {
       cuda::gemv(L_, w, nullptr, x, w.cols, nullptr, n, y, ldy);
-    } else if (opt_.cublas && w.t == cuda::kBF16 && n >= 128 && w.row0 == 0 && w.col0 == 0 && w.ld == w.cols &&
-               !capturing_) {
-      cublas_linear(w, x, n, y, ldy, fast);
     } else {
       cuda::gemm(L_, w, nullptr, 0, x, w.cols, nullptr, false, 0, n, y, ldy, fast);
     }
@@ -902,20 +898,6 @@ class CudaBackend final : public Backend {
                                       out + c0 * H * V, CUDA_R_32F, int(H * V), V, int(H), ct, CUBLAS_GEMM_DEFAULT));
       }
     }
-  }
-
-  void cublas_linear(const DevLinear& w, const float* x, int64_t n, float* y, int64_t ldy, bool fast) {
-    const int64_t in = w.cols, out = w.rows;
-    void* hi = scratch(kHi, size_t(n * in) * 2);
-    void* lo = fast ? nullptr : scratch(kLo, size_t(n * in) * 2);
-    cuda::split_bf16(L_, x, n * in, hi, lo);
-    const float one = 1.f, zero = 0.f;
-    // Column-major view: y^T [out, n] = W [in, out]^T · x^T [in, n].
-    CB(cublasGemmEx(cublas_, CUBLAS_OP_T, CUBLAS_OP_N, int(out), int(n), int(in), &one, w.w, CUDA_R_16BF, int(w.ld), hi,
-                    CUDA_R_16BF, int(in), &zero, y, CUDA_R_32F, int(ldy), CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
-    if (lo)
-      CB(cublasGemmEx(cublas_, CUBLAS_OP_T, CUBLAS_OP_N, int(out), int(n), int(in), &one, w.w, CUDA_R_16BF, int(w.ld),
-                      lo, CUDA_R_16BF, int(in), &one, y, CUDA_R_32F, int(ldy), CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
   }
 
   CudaOptions opt_;

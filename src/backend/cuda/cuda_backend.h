@@ -19,7 +19,6 @@ struct CudaOptions {
   int attn_chunk = 512; // queries per chunk of the long-run attention (DSV3_CUDA_ATTN_CHUNK)
   int tc_tm = 64;       // rows per tile of the pipelined kernel: 64 or 128 (DSV3_CUDA_TC_TM)
   int fast_min = 64;    // fast mode only for steps of at least this many tokens (DSV3_CUDA_FAST_MIN)
-  bool cublas = false;  // bf16 dense GEMMs through cuBLAS for many tokens (DSV3_CUDA_CUBLAS=1)
   int gemv_max = 8;     // the GEMV kernels up to this many tokens, tensor cores above (DSV3_CUDA_GEMV_MAX)
   int tc_min = 8;       // from this many tokens: the pipelined bf16 GEMM (kernels_tc.cu) for bf16 weights
                         // (before the GEMV/WMMA choice) and, for long runs of one slot, cuBLAS

@@ -54,8 +54,6 @@ void rmsnorm(const Launch& L, const float* x, int64_t n, int64_t d, int64_t stri
 void add(const Launch& L, float* y, const float* x, int64_t n);
 // h[i, :d] += r[i, :d]; y[i, :d] = rmsnorm(h[i]) * w (rows contiguous).
 void add_rmsnorm(const Launch& L, float* h, const float* r, int64_t n, int64_t d, const float* w, float eps, float* y);
-// hi = bf16(x), lo = bf16(x - hi): x ≈ hi + lo to ~2^-16 relative (for the cuBLAS path).
-void split_bf16(const Launch& L, const float* x, int64_t n, void* hi, void* lo);
 // kernel.py's act_quant(x, 128, scale_fmt) on x [rows, cols] (cols % 128 == 0): y e4m3 bytes
 // [rows, cols], s [rows, cols / 128]; bit-identical to the reference (tests: golden kernels).
 void act_quant(const Launch& L, const float* x, int64_t rows, int64_t cols, bool ue8m0, uint8_t* y, float* s);

@@ -75,18 +75,6 @@ __global__ void add_kernel(float* __restrict__ y, const float* __restrict__ x, i
     y[i] += x[i];
 }
 
-__global__ void split_kernel(const float* __restrict__ x, int64_t n, __nv_bfloat16* __restrict__ hi,
-                             __nv_bfloat16* __restrict__ lo) {
-  pdl_wait();
-  pdl_trigger();
-  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
-    const float v = x[i];
-    const __nv_bfloat16 h = __float2bfloat16_rn(v);
-    hi[i] = h;
-    if (lo) lo[i] = __float2bfloat16_rn(v - __bfloat162float(h));
-  }
-}
-
 __device__ __forceinline__ uint64_t mix64(uint64_t z) {
   z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
   z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
@@ -132,11 +120,6 @@ void add(const Launch& L, float* y, const float* x, int64_t n) {
   // The float4 path needs 16-byte aligned buffers (device allocations are).
   DSV3_CHECK(reinterpret_cast<uintptr_t>(y) % 16 == 0 && reinterpret_cast<uintptr_t>(x) % 16 == 0);
   launch(L, add_kernel, dim3(grid_for(n / 4 + 1, 256)), dim3(256), 0, y, x, n);
-}
-
-void split_bf16(const Launch& L, const float* x, int64_t n, void* hi, void* lo) {
-  launch(L, split_kernel, dim3(grid_for(n, 256)), dim3(256), 0, x, n, static_cast<__nv_bfloat16*>(hi),
-         static_cast<__nv_bfloat16*>(lo));
 }
 
 namespace {
