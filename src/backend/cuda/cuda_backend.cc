@@ -435,12 +435,12 @@ class CudaBackend final : public Backend {
       j0.w = w1, j0.w3 = w3, j0.swiglu = true, j0.M = n;
       j0.o_hi = scratch(kHi2, size_t(n * inter) * 2);
       j0.o_lo = fast_at(n) ? nullptr : scratch(kLo2, size_t(n * inter) * 2);
-      j0.ldo = inter, j0.tm = tile_m(n), j0.wgmma = use_wgmma(j0.tm, D % 64 == 0 && inter % 64 == 0);
-      j0.wg_async = opt_.wg_async;
+      j0.ldo = inter;
+      set_form(j0, D % 64 == 0 && inter % 64 == 0);
       cuda::tc_gemm(L_, j0, cuda::tc_tiles(n, j0.tm), inter);
       cuda::TcJob j1;
       j1.a_hi = j0.o_hi, j1.a_lo = j0.o_lo, j1.lda = inter, j1.w = w2, j1.M = n, j1.c = y, j1.ldc = D;
-      j1.tm = j0.tm, j1.wgmma = j0.wgmma, j1.wg_async = j0.wg_async;
+      set_form(j1, D % 64 == 0 && inter % 64 == 0);
       cuda::tc_gemm(L_, j1, cuda::tc_tiles(n, j1.tm), D);
       return;
     }
@@ -464,7 +464,7 @@ class CudaBackend final : public Backend {
     float* logits = f32(kLogits, size_t(n * E));
     cuda::MoeSched s = sched(n, E, K, T.S);
     const bool tc = use_tc(n) && T.tc;
-    if (tc) s.tile_rows = tile_m(n);
+    if (tc) s.tile_rows = tile_m();
     cuda::RouteArgs r;
     r.E = E, r.K = K, r.G = a.n_expert_groups, r.topk_groups = a.n_limited_groups;
     r.sigmoid = a.score_func != "softmax", r.norm = a.norm_topk_prob, r.route_scale = a.route_scale;
@@ -482,7 +482,7 @@ class CudaBackend final : public Backend {
     float* o = f32(kMoeO, size_t(P * D));
     if (tc) {
       cuda::TcJob j0 = split_input(x, n, D, fast_at(n));
-      j0.tm = s.tile_rows, j0.wgmma = use_wgmma(j0.tm, T.k64), j0.wg_async = opt_.wg_async;
+      set_form(j0, T.k64);  // tile rows as the schedule's
       j0.grouped = true, j0.experts = T.dev, j0.a_idx = s.perm;
       j0.cnt = s.cnt, j0.off = s.off, j0.tile_e = s.tile_e, j0.tile_m0 = s.tile_m0, j0.n_tiles = s.n_tiles;
       cuda::TcJob j1 = j0;
@@ -560,8 +560,8 @@ class CudaBackend final : public Backend {
         j.a_hi = scratch(kHi2, size_t(n * H * C) * 2);
         j.a_lo = scratch(kLo2, size_t(n * H * C) * 2);
         cuda::split_rows(L_, ol, n * H, C, C, const_cast<void*>(j.a_hi), const_cast<void*>(j.a_lo));
-        j.lda = H * C, j.w = wv, j.M = n, j.c = out, j.ldc = H * V, j.shift = sh, j.tm = tile_m(n);
-        j.wgmma = use_wgmma(j.tm, C % 64 == 0), j.wg_async = opt_.wg_async;
+        j.lda = H * C, j.w = wv, j.M = n, j.c = out, j.ldc = H * V, j.shift = sh;
+        set_form(j, C % 64 == 0);
         cuda::tc_gemm(L_, j, cuda::tc_tiles(n, j.tm), V, int(H));
         return;
       }
@@ -815,7 +815,7 @@ class CudaBackend final : public Backend {
       cuda::TcJob j = split_input(x, n, w.cols, fast);
       j.w = w, j.M = n, j.c = y, j.ldc = ldy;
       // Few output tiles (the gate, wkv_a): split K so every SM gets work.
-      j.tm = tile_m(n), j.wgmma = use_wgmma(j.tm, w.cols % 64 == 0), j.wg_async = opt_.wg_async;
+      set_form(j, w.cols % 64 == 0);
       const int64_t tiles = cuda::tc_out_tiles(n, w.rows, false, j.tm), ksteps = w.cols / 32;
       if (tiles < 132 && ksteps >= 16) {
         j.splits = int(std::min<int64_t>(ksteps / 8, (264 + tiles - 1) / tiles));
@@ -832,8 +832,14 @@ class CudaBackend final : public Backend {
   bool use_tc(int64_t n) const { return n >= opt_.tc_min; }
   // 64-row tiles unless asked: on the H200 the 128-row form (64x64 per warp) measured slower for
   // the 16B shape's prefill (24.6k against 28.0k tok/s in fast mode).
-  bool use_wgmma(int tm, bool k64) const { return wgmma_ && tm == 64 && k64; }
-  int tile_m(int64_t) const { return opt_.tc_tm == 128 ? 128 : 64; }
+  int tile_m() const { return opt_.tc_tm == 128 ? 128 : 64; }
+  // The pipelined kernel's form for a job: tile rows, and wgmma where the device and every K
+  // (k64: all multiples of 64) allow it.
+  void set_form(cuda::TcJob& j, bool k64) const {
+    j.tm = tile_m();
+    j.wgmma = wgmma_ && j.tm == 64 && k64;
+    j.wg_async = opt_.wg_async;
+  }
   // Fast mode's bf16 activations for products of prefill size only: decode is bound by the weight
   // reads, so one bf16 pass would gain nothing there and its errors would reach every step.
   bool fast_at(int64_t n) const { return opt_.fast && n >= opt_.fast_min; }
