@@ -151,6 +151,11 @@ int main(int argc, char** argv) {
         o.fast = true;
         vars.push_back({"fast", o, false, true});
         o = base;
+        o.flash = false;  // the long-run attention as cuBLAS scores, a softmax kernel and cuBLAS values
+        vars.push_back({"noflash", o, false, true});
+        o.fast = true;
+        vars.push_back({"noflash-fast", o, false, true});
+        o = base;
         o.graphs = false;
         vars.push_back({"nograph", o, true, false});
         o = base;

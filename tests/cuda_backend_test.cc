@@ -17,9 +17,12 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <cstring>
 #include <random>
 
 #include "backend/cuda/cuda_backend.h"
+#include "backend/cuda/kernels.h"
+#include "backend/cuda/upload.h"
 #include "backend/ref/fp8.h"
 #include "golden_util.h"
 #include "io/checkpoint.h"
@@ -448,6 +451,94 @@ TEST(CudaOps, MlaLongRunMatchesRef) {
       EXPECT_LE(rel_l2(dout.get().data(), rout.data(), rout.size()), tol) << c << (fast ? " fast" : "");
       EXPECT_LE(rel_l2(d1.get().data(), rc1.data(), rc1.size()), 5e-5) << c << " cache kv";
       EXPECT_LE(rel_l2(d2.get().data(), rc2.data(), rc2.size()), 5e-5) << c << " cache pe";
+    }
+  }
+}
+
+// The weight upload through two pinned staging buffers: ranges with gaps (alignment padding),
+// pieces larger and smaller than a chunk, a chunk size that divides nothing; out-of-order puts
+// are refused.
+TEST(CudaOps, UploaderWritesEveryRange) {
+  REQUIRE_GPU();
+  const size_t total = 100000, chunk = 997;
+  std::vector<std::pair<size_t, size_t>> ranges = {{0, 10}, {256, 5000}, {5376, 1}, {5632, 997}, {7000, 40000}, {99000, 1000}};
+  std::mt19937 g(7);
+  std::vector<char> host(total);
+  for (auto& c : host) c = char(g());
+  char* dev = nullptr;
+  ASSERT_EQ(cudaMalloc(&dev, total), cudaSuccess);
+  ASSERT_EQ(cudaMemset(dev, 0, total), cudaSuccess);
+  cudaStream_t st;
+  ASSERT_EQ(cudaStreamCreate(&st), cudaSuccess);
+  {
+    cuda::Uploader up(dev, total, chunk, st, false);
+    for (auto [at, n] : ranges) up.put(at, host.data() + at, n);
+    up.finish();
+  }
+  std::vector<char> back(total);
+  ASSERT_EQ(cudaMemcpy(back.data(), dev, total, cudaMemcpyDeviceToHost), cudaSuccess);
+  for (auto [at, n] : ranges)
+    EXPECT_EQ(std::memcmp(back.data() + at, host.data() + at, n), 0) << "range at " << at << " of " << n;
+  {
+    cuda::Uploader up(dev, total, chunk, st, false);
+    up.put(5000, host.data(), 10);
+    EXPECT_THROW(up.put(100, host.data(), 10), Error);
+    EXPECT_THROW(up.put(total - 5, host.data(), 10), Error);
+  }
+  cudaStreamDestroy(st);
+  cudaFree(dev);
+}
+
+// The one-kernel prefill attention (kernels_attn.cu) against attention in double on the host:
+// both head shapes it is built for (the real models' 128/64/128 and the golden models' 32/16/32),
+// a run that starts after cached positions and ends inside a query block, every output written
+// (poisoned with NaN before).
+TEST(CudaOps, FlashPrefillMatchesFloat64) {
+  REQUIRE_GPU();
+  auto cuda = make_cuda_backend(opts());
+  struct Shape {
+    int nope, R, V, H;
+    int64_t pos0, m;
+  };
+  for (Shape sh : {Shape{128, 64, 128, 3, 37, 150}, Shape{32, 16, 32, 4, 0, 97}, Shape{128, 64, 128, 2, 0, 64}}) {
+    cuda::MlaDims d;
+    d.H = sh.H, d.nope = sh.nope, d.R = sh.R, d.V = sh.V, d.scale = 1.f / std::sqrt(float(sh.nope + sh.R));
+    ASSERT_TRUE(cuda::flash_prefill_ok(d));
+    const int64_t H = sh.H, qk = sh.nope + sh.R, KV = sh.nope + sh.V, Lk = sh.pos0 + sh.m, m = sh.m;
+    const std::vector<float> q = randn(size_t(m * H * qk), 41), kvb = randn(size_t(Lk * H * KV), 42),
+                             pe = randn(size_t(Lk * sh.R), 43);
+    std::vector<double> want(size_t(m * H * sh.V), 0.0);
+    for (int64_t i = 0; i < m; ++i)
+      for (int64_t h = 0; h < H; ++h) {
+        const float* qi = &q[size_t((i * H + h) * qk)];
+        const int64_t len = sh.pos0 + i + 1;
+        std::vector<double> sc(static_cast<size_t>(len));
+        double mx = -1e300, sum = 0;
+        for (int64_t t = 0; t < len; ++t) {
+          double v = 0;
+          for (int c = 0; c < sh.nope; ++c) v += double(qi[c]) * kvb[size_t((t * H + h) * KV + c)];
+          for (int c = 0; c < sh.R; ++c) v += double(qi[sh.nope + c]) * pe[size_t(t * sh.R + c)];
+          sc[size_t(t)] = v * d.scale;
+          mx = std::max(mx, sc[size_t(t)]);
+        }
+        for (auto& v : sc) sum += (v = std::exp(v - mx));
+        for (int64_t t = 0; t < len; ++t)
+          for (int c = 0; c < sh.V; ++c)
+            want[size_t((i * H + h) * sh.V + c)] += sc[size_t(t)] / sum * kvb[size_t((t * H + h) * KV + sh.nope + c)];
+      }
+    std::vector<float> wantf(want.begin(), want.end());
+    for (bool split : {true, false}) {
+      Dev dq(*cuda, q), dk(*cuda, kvb), dp(*cuda, pe);
+      Dev dout(*cuda, std::vector<float>(want.size(), std::nanf("")));
+      Dev ws(*cuda, cuda::flash_prefill_ws(d, m, sh.pos0) / 4 + 1);
+      cuda::Launch L;
+      cuda::flash_prefill(L, d, dq.p, m, sh.pos0, dk.p, dp.p, dout.p, split, ws.p);
+      ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+      const std::vector<float> got = dout.get();
+      for (size_t e = 0; e < got.size(); ++e) ASSERT_TRUE(std::isfinite(got[e])) << "unwritten or NaN at " << e;
+      // split: three bf16 products per MMA (~16 bits kept); fast: operands rounded once to bf16
+      EXPECT_LE(rel_l2(got.data(), wantf.data(), got.size()), split ? 5e-5 : 1e-2)
+          << sh.nope << "/" << sh.R << "/" << sh.V << " m " << m << " pos0 " << sh.pos0 << (split ? " split" : " fast");
     }
   }
 }

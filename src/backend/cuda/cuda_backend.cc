@@ -15,7 +15,10 @@
 #include <utility>
 #include <vector>
 
+#include <unistd.h>
+
 #include "backend/cuda/kernels.h"
+#include "backend/cuda/upload.h"
 #include "core/error.h"
 #include "model/rope.h"
 
@@ -46,6 +49,8 @@ CudaOptions CudaOptions::from_env() {
   o.wgmma = env_flag("DSV3_CUDA_WGMMA", o.wgmma);
   o.wg_async = env_flag("DSV3_CUDA_WG_ASYNC", o.wg_async);
   o.attn_chunk = env_int("DSV3_CUDA_ATTN_CHUNK", o.attn_chunk);
+  o.flash = env_flag("DSV3_CUDA_FLASH", o.flash);
+  o.progress = env_flag("DSV3_CUDA_PROGRESS", isatty(2) != 0);
   o.profile = env_flag("DSV3_CUDA_PROFILE", o.profile);
   return o;
 }
@@ -240,6 +245,7 @@ class CudaBackend final : public Backend {
     char* base = static_cast<char*>(device_bytes(total));
     size_t at = 0;
     std::vector<float> conv;
+    cuda::Uploader up(base, total, opt_.upload_chunk, stream_, opt_.progress);
     visit(w, [&](TensorView& t, Kind k) {
       if (t.empty()) return;
       const DType dt = device_dtype(t, k);
@@ -251,11 +257,12 @@ class CudaBackend final : public Backend {
         for (int64_t i = 0; i < t.numel(); ++i) conv[size_t(i)] = load_f32(t, i);
         src = conv.data();
       }
-      CK(cudaMemcpy(base + at, src, bytes, cudaMemcpyHostToDevice));
+      up.put(at, src, bytes);
       t.data = base + at;
       t.dtype = dt;
       at += align256(bytes);
     });
+    up.finish();
   }
 
   ModelWeights random_weights(const ModelArgs& a, uint64_t seed) {
@@ -316,7 +323,9 @@ class CudaBackend final : public Backend {
     CK(cudaMemcpyAsync(step_dev_, st, words * 4, cudaMemcpyHostToDevice, stream_));
     CK(cudaEventRecord(staging_done_, stream_));
     step_ = {tokens, pos, rows, n, m, true};
-    if (!opt_.graphs || opt_.profile || n > opt_.graph_max) return false;
+    // Steps with long runs of one slot (32+ tokens, see token_runs) carry host positions in their
+    // attention launches: never recorded.
+    if (!opt_.graphs || opt_.profile || n > opt_.graph_max || n >= 32) return false;
     GraphKey key{n, std::vector<int64_t>(rows, rows + m)};
     Graph& g = graphs_[key];
     if (g.exec) {
@@ -520,7 +529,6 @@ class CudaBackend final : public Backend {
     DSV3_CHECK(w.kv_norm.dtype == DType::F32, "kv_norm not on the device");
     const DevLinear wkv_b = dev_linear(w.wkv_b);
     const int64_t H = d.H, C = d.C, V = d.V, nope = d.nope;
-    float* S = f32(kS, size_t(n * H * max_len));
     flush_add();
     mark("mla.prep");
     if (impl == AttnImpl::kAbsorb) {
@@ -528,9 +536,11 @@ class CudaBackend final : public Backend {
       if (use_tc(n)) runs = token_runs(tp, n);
       if (!runs.empty()) {
         cuda::mla_prep(L_, d, false, pos, n, q, kv, w.kv_norm.as<float>(), cs, cache.kv, cache.pe, nullptr, nullptr);
+        float* S = use_flash(d) ? nullptr : f32(kS, size_t(n * H * max_len));  // score rows of the cuBLAS form
         mla_runs(d, pos, runs, tp, n, q, cache, wkv_b, S, out);
         return;
       }
+      float* S = f32(kS, size_t(n * H * max_len));
       float* ol = f32(kKvb, size_t(n * H * C));
       {
         float* qa = f32(kLat, size_t(n * H * C));
@@ -576,6 +586,7 @@ class CudaBackend final : public Backend {
     float* kvb = f32(kKvb, size_t(n * H * (nope + V)));
     run_linear(wkv_b, lat, n, kvb, H * (nope + V), /*exact=*/true);
     cuda::mla_naive_store(L_, d, pos, n, kvb, cache.k, cache.v);
+    float* S = f32(kS, size_t(n * H * max_len));
     cuda::mla_naive_scores(L_, d, pos, n, q, cache.k, S);
     cuda::mla_naive_values(L_, d, pos, n, S, cache.v, out);
   }
@@ -854,6 +865,8 @@ class CudaBackend final : public Backend {
     return j;
   }
 
+  bool use_flash(const cuda::MlaDims& d) const { return opt_.flash && cuda::flash_prefill_ok(d); }
+
   // Runs of tokens of one slot at consecutive positions; empty when there are too many (the
   // cuBLAS attention pays per run).
   std::vector<std::pair<int64_t, int64_t>> token_runs(const TokenPos* tp, int64_t n) const {
@@ -875,6 +888,7 @@ class CudaBackend final : public Backend {
                 const TokenPos* tp, int64_t tp_n, const float* q, const LayerCache& cache, const DevLinear& wkv_b,
                 float* S, float* out) {
     const int64_t H = d.H, C = d.C, R = d.R, nope = d.nope, V = d.V, qk = nope + R, ML = d.max_len, KV = nope + V;
+    const bool flash = use_flash(d);
     // Fast mode: bf16 tensor cores with float32 accumulation (the reference's attention arithmetic).
     const cublasComputeType_t ct = fast_at(tp_n) ? CUBLAS_COMPUTE_32F_FAST_16BF : CUBLAS_COMPUTE_32F;
     const float one = 1.f, zero = 0.f, scale = d.scale;
@@ -886,6 +900,12 @@ class CudaBackend final : public Backend {
       float* kvb = f32(kKvb, size_t(end * H * KV));  // [end, H, nope + V]
       run_linear(wkv_b, kvs, end, kvb, H * KV, /*exact=*/true);
       mark("mla.attn");
+      if (flash) {
+        const int64_t m = r1 - r0, pos0 = tp[r0].pos;
+        void* ws = scratch(kS, cuda::flash_prefill_ws(d, m, pos0));
+        cuda::flash_prefill(L_, d, q + r0 * H * qk, m, pos0, kvb, pes, out + r0 * H * V, !fast_at(tp_n), ws);
+        continue;
+      }
       const int64_t chunk = std::max(opt_.attn_chunk, 1);
       for (int64_t c0 = r0; c0 < r1; c0 += chunk) {
         const int64_t c1 = std::min(r1, c0 + chunk), Lk = tp[c1 - 1].pos + 1, m = c1 - c0;

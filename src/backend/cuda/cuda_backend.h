@@ -16,7 +16,9 @@ struct CudaOptions {
                         // and float32 attention, float32-grade results
   bool wgmma = true;    // the pipelined kernel's sm_90a wgmma form where K % 64 == 0 (DSV3_CUDA_WGMMA=0: mma.sync)
   bool wg_async = false; // its wgmma form keeps one MMA group in flight (DSV3_CUDA_WG_ASYNC=1)
-  int attn_chunk = 512; // queries per chunk of the long-run attention (DSV3_CUDA_ATTN_CHUNK)
+  bool flash = true;    // the long-run (prefill) attention as one kernel (kernels_attn.cu) where its head dims
+                        // allow; off: cuBLAS scores, a softmax kernel and cuBLAS values (DSV3_CUDA_FLASH=0)
+  int attn_chunk = 512; // queries per chunk of the cuBLAS long-run attention (DSV3_CUDA_ATTN_CHUNK)
   int tc_tm = 64;       // rows per tile of the pipelined kernel: 64 or 128 (DSV3_CUDA_TC_TM)
   int fast_min = 64;    // fast mode only for steps of at least this many tokens (DSV3_CUDA_FAST_MIN)
   int gemv_max = 8;     // the GEMV kernels up to this many tokens, tensor cores above (DSV3_CUDA_GEMV_MAX)
@@ -25,6 +27,9 @@ struct CudaOptions {
                         // attention over decompressed K/V (DSV3_CUDA_TC_MIN)
   int graph_max = 16;   // steps of up to this many tokens are recorded (DSV3_CUDA_GRAPH_MAX)
   bool profile = false; // time every op and kernel group with events, graphs off (DSV3_CUDA_PROFILE=1)
+  bool progress = false; // a progress line while the weights go to the GPU (DSV3_CUDA_PROGRESS; default:
+                         // when stderr is a terminal)
+  size_t upload_chunk = size_t(64) << 20;  // bytes per pinned staging buffer of the weight upload (two)
   // FP8 weights are always dequantised inside the kernels (no FP8 tensor-core path yet), which is
   // what DSV3_CUDA_FP8_DEQUANT=1 asks for; the variable is accepted for that reason.
   static CudaOptions from_env();

@@ -5,6 +5,7 @@
 #pragma once
 #include <cuda_runtime.h>
 
+#include <cstddef>
 #include <cstdint>
 
 #ifdef __CUDACC__
@@ -197,6 +198,18 @@ struct MlaDims {
   float scale = 1.f, eps = 1e-6f;
   DSV3_HD int qk() const { return nope + R; }
 };
+// Prefill attention in one kernel (kernels_attn.cu).
+// A run of m queries of one slot, query i at position pos0 + i attending keys [0, pos0 + i]:
+// q [m, H, nope + R] (roped), kvb [pos0 + m, H, nope + V] (k_nope | v, decompressed through
+// wkv_b), pe [pos0 + m, R] (the roped key, shared by the heads); out [m, H * V]. Float32 online
+// softmax; bf16 tensor cores, operands rounded once (fast) or as hi + lo parts (split:
+// float32-grade). flash_prefill_ok: the head dims it is built for (128/64/128 and 32/16/32).
+// ws: device scratch of flash_prefill_ws(d, m, pos0) bytes (the operands in bf16).
+bool flash_prefill_ok(const MlaDims& d);
+size_t flash_prefill_ws(const MlaDims& d, int64_t m, int64_t pos0);
+void flash_prefill(const Launch& L, const MlaDims& d, const float* q, int64_t m, int64_t pos0, const float* kvb,
+                   const float* pe, float* out, bool split, void* ws);
+
 // RoPE on q's rope parts (in place) and on kv's key; kv_norm of the latent. Absorbed: writes
 // cache_kv/cache_pe rows. Naive: writes latent [n, C] and the rope part of cache_k.
 void mla_prep(const Launch& L, const MlaDims& d, bool naive, const DevPos* pos, int64_t n, float* q,
