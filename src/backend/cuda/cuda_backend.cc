@@ -50,6 +50,7 @@ CudaOptions CudaOptions::from_env() {
   o.wg_async = env_flag("DSV3_CUDA_WG_ASYNC", o.wg_async);
   o.attn_chunk = env_int("DSV3_CUDA_ATTN_CHUNK", o.attn_chunk);
   o.flash = env_flag("DSV3_CUDA_FLASH", o.flash);
+  o.fp8_wgmma = env_flag("DSV3_CUDA_FP8_WGMMA", o.fp8_wgmma);
   o.progress = env_flag("DSV3_CUDA_PROGRESS", isatty(2) != 0);
   o.profile = env_flag("DSV3_CUDA_PROFILE", o.profile);
   return o;
@@ -150,7 +151,7 @@ struct MoeTable {
   int64_t rows2 = 0;          // w2.rows (dim)
   int32_t wtype = cuda::kBF16;
   bool gemm = false;          // every expert fits the tensor-core kernel
-  bool tc = false;            // every expert fits the pipelined bf16 kernel (tc_ok)
+  bool tc = false;            // every expert fits the pipelined kernel (tc_takes)
   bool k64 = false;           // ... with every K a multiple of 64 (its wgmma form)
 };
 
@@ -439,17 +440,17 @@ class CudaBackend final : public Backend {
     const int64_t inter = w1.rows, D = w2.rows;
     flush_add();
     mark("mlp");
-    if (use_tc(n) && cuda::tc_ok(w1) && cuda::tc_ok(w3) && cuda::tc_ok(w2)) {
+    if (use_tc(n) && tc_takes(w1) && tc_takes(w3) && tc_takes(w2)) {
       cuda::TcJob j0 = split_input(x, n, D, fast_at(n));
       j0.w = w1, j0.w3 = w3, j0.swiglu = true, j0.M = n;
       j0.o_hi = scratch(kHi2, size_t(n * inter) * 2);
       j0.o_lo = fast_at(n) ? nullptr : scratch(kLo2, size_t(n * inter) * 2);
       j0.ldo = inter;
-      set_form(j0, D % 64 == 0 && inter % 64 == 0);
+      set_form(j0, D % 64 == 0 && inter % 64 == 0, w1.t);
       cuda::tc_gemm(L_, j0, cuda::tc_tiles(n, j0.tm), inter);
       cuda::TcJob j1;
       j1.a_hi = j0.o_hi, j1.a_lo = j0.o_lo, j1.lda = inter, j1.w = w2, j1.M = n, j1.c = y, j1.ldc = D;
-      set_form(j1, D % 64 == 0 && inter % 64 == 0);
+      set_form(j1, D % 64 == 0 && inter % 64 == 0, w2.t);
       cuda::tc_gemm(L_, j1, cuda::tc_tiles(n, j1.tm), D);
       return;
     }
@@ -479,7 +480,7 @@ class CudaBackend final : public Backend {
     r.sigmoid = a.score_func != "softmax", r.norm = a.norm_topk_prob, r.route_scale = a.route_scale;
     const float* bias = w.bias.empty() ? nullptr : w.bias.as<float>();
     const DevLinear gate = dev_linear(Linear{w.gate, {}});
-    if (n <= std::min(opt_.gemv_max, 8) && gate.t != cuda::kFP8 && !(use_tc(n) && cuda::tc_ok(gate))) {
+    if (n <= std::min(opt_.gemv_max, 8) && gate.t != cuda::kFP8 && !(use_tc(n) && tc_takes(gate))) {
       cuda::gate_route(L_, gate, x, n, logits, r, bias, s, counter_);
     } else {
       run_linear(gate, x, n, logits, E, /*exact=*/true);  // routing: no bf16 shortcut
@@ -491,7 +492,7 @@ class CudaBackend final : public Backend {
     float* o = f32(kMoeO, size_t(P * D));
     if (tc) {
       cuda::TcJob j0 = split_input(x, n, D, fast_at(n));
-      set_form(j0, T.k64);  // tile rows as the schedule's
+      set_form(j0, T.k64, T.wtype);  // tile rows as the schedule's
       j0.grouped = true, j0.experts = T.dev, j0.a_idx = s.perm;
       j0.cnt = s.cnt, j0.off = s.off, j0.tile_e = s.tile_e, j0.tile_m0 = s.tile_m0, j0.n_tiles = s.n_tiles;
       cuda::TcJob j1 = j0;
@@ -565,13 +566,13 @@ class CudaBackend final : public Backend {
       const DevLinear wv = slice(wkv_b, nope, V, 0, C);
       cuda::GemvShift sh;
       sh.xs = C, sh.ys = V, sh.wrows = nope + V;
-      if (use_tc(n) && cuda::tc_ok(wv)) {
+      if (use_tc(n) && tc_takes(wv)) {
         cuda::TcJob j;
         j.a_hi = scratch(kHi2, size_t(n * H * C) * 2);
         j.a_lo = scratch(kLo2, size_t(n * H * C) * 2);
         cuda::split_rows(L_, ol, n * H, C, C, const_cast<void*>(j.a_hi), const_cast<void*>(j.a_lo));
         j.lda = H * C, j.w = wv, j.M = n, j.c = out, j.ldc = H * V, j.shift = sh;
-        set_form(j, C % 64 == 0);
+        set_form(j, C % 64 == 0, wv.t);
         cuda::tc_gemm(L_, j, cuda::tc_tiles(n, j.tm), V, int(H));
         return;
       }
@@ -806,7 +807,7 @@ class CudaBackend final : public Backend {
       for (const DevLinear* l : {&e.w1, &e.w3, &e.w2}) {
         if (l->t != T.wtype) fail("CUDA backend: MoE layer mixes weight dtypes");
         T.gemm = T.gemm && cuda::gemm_ok(*l) && l->t != cuda::kF32;
-        T.tc = T.tc && cuda::tc_ok(*l);
+        T.tc = T.tc && tc_takes(*l);
         T.k64 = T.k64 && l->cols % 64 == 0;
       }
       e.vec13 = cuda::vec_ok(e.w1) && cuda::vec_ok(e.w3);
@@ -822,11 +823,11 @@ class CudaBackend final : public Backend {
   // y[n, out] = x[n, in] · Wᵀ.
   void run_linear(const DevLinear& w, const float* x, int64_t n, float* y, int64_t ldy, bool exact = false) {
     const bool fast = fast_at(n) && !exact;
-    if (use_tc(n) && cuda::tc_ok(w)) {
+    if (use_tc(n) && tc_takes(w)) {
       cuda::TcJob j = split_input(x, n, w.cols, fast);
       j.w = w, j.M = n, j.c = y, j.ldc = ldy;
       // Few output tiles (the gate, wkv_a): split K so every SM gets work.
-      set_form(j, w.cols % 64 == 0);
+      set_form(j, w.cols % 64 == 0, w.t);
       const int64_t tiles = cuda::tc_out_tiles(n, w.rows, false, j.tm), ksteps = w.cols / 32;
       if (tiles < 132 && ksteps >= 16) {
         j.splits = int(std::min<int64_t>(ksteps / 8, (264 + tiles - 1) / tiles));
@@ -846,10 +847,18 @@ class CudaBackend final : public Backend {
   int tile_m() const { return opt_.tc_tm == 128 ? 128 : 64; }
   // The pipelined kernel's form for a job: tile rows, and wgmma where the device and every K
   // (k64: all multiples of 64) allow it.
-  void set_form(cuda::TcJob& j, bool k64) const {
+  void set_form(cuda::TcJob& j, bool k64, int32_t wtype) const {
     j.tm = tile_m();
     j.wgmma = wgmma_ && j.tm == 64 && k64;
-    j.wg_async = opt_.wg_async;
+    j.fp8 = wtype == cuda::kFP8;
+    j.wg_async = opt_.wg_async && !j.fp8;
+    DSV3_CHECK(!j.fp8 || j.wgmma, "FP8 weights reach the pipelined kernel only in its wgmma form");
+  }
+  // Whether the pipelined kernel takes w: bf16 in either form; FP8 (widened to bf16 in shared
+  // memory, block scales on the partial sums) in the wgmma form with 64-row tiles.
+  bool tc_takes(const cuda::DevLinear& w) const {
+    if (w.t == cuda::kFP8) return opt_.fp8_wgmma && wgmma_ && tile_m() == 64 && cuda::tc_ok_fp8(w);
+    return cuda::tc_ok(w);
   }
   // Fast mode's bf16 activations for products of prefill size only: decode is bound by the weight
   // reads, so one bf16 pass would gain nothing there and its errors would reach every step.

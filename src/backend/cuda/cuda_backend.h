@@ -30,8 +30,11 @@ struct CudaOptions {
   bool progress = false; // a progress line while the weights go to the GPU (DSV3_CUDA_PROGRESS; default:
                          // when stderr is a terminal)
   size_t upload_chunk = size_t(64) << 20;  // bytes per pinned staging buffer of the weight upload (two)
-  // FP8 weights are always dequantised inside the kernels (no FP8 tensor-core path yet), which is
-  // what DSV3_CUDA_FP8_DEQUANT=1 asks for; the variable is accepted for that reason.
+  bool fp8_wgmma = true; // FP8 weights in the pipelined kernel's wgmma form (widened to bf16 in shared memory)
+                         // for products of tc_min+ tokens; off: the WMMA GEMM (DSV3_CUDA_FP8_WGMMA=0)
+  // FP8 weights are always dequantised inside the kernels (no FP8 tensor-core arithmetic: that
+  // would quantise the activations too), which is what DSV3_CUDA_FP8_DEQUANT=1 asks for; the
+  // variable is accepted for that reason.
   static CudaOptions from_env();
 };
 

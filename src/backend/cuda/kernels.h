@@ -90,6 +90,10 @@ void gemm(const Launch& L, const DevLinear& w0, const DevLinear* w1, int64_t col
 // ---- pipelined tensor-core GEMM on bf16 operands (kernels_tc.cu)
 // Whether a bf16 weight (rectangle) suits tc_gemm: cols a multiple of 32, 16-byte aligned rows.
 bool tc_ok(const DevLinear& w);
+// Whether an FP8 weight suits tc_gemm's wgmma form (TcJob::fp8): cols a multiple of 64, rows and
+// columns starting on 128x128 scale blocks (row tiles must not straddle a block; batched copies
+// must shift the rows by multiples of 128).
+bool tc_ok_fp8(const DevLinear& w);
 // C = A · Wᵀ with A in bf16 (a_hi, plus a_lo = the rounding of the remainder when given: float32-
 // grade products), float32 accumulation. Row i of A is a_hi + (a_idx ? a_idx[i] : i) * lda.
 // Plain: rows i < M with weight w (and w3 for SwiGLU). Grouped: every active expert of a MoE
@@ -129,6 +133,7 @@ struct TcJob {
   int tm = 64;  // rows per tile: 64 or 128 (grouped: must match the schedule's tile_rows)
   bool wgmma = false;     // sm_90a warpgroup MMAs (tm 64; every K a multiple of 64)
   bool wg_async = false;  // ... keeping one MMA group in flight behind the next stage's loads
+  bool fp8 = false;       // e4m3 weights with 128x128 block scales (tc_ok_fp8; wgmma form, no in-flight group)
 };
 // Output tiles of a plain job (occupancy: split-K pays below ~2 tiles per SM).
 int64_t tc_out_tiles(int64_t M, int64_t N, bool swiglu, int tm);

@@ -6,6 +6,9 @@
 // 128-byte swizzle, m64n128k16 warpgroup MMAs reading both operands from shared memory.
 // One launch covers a plain product or every active expert of a MoE stage (the router's
 // 64-row tile table picks each block's expert and rows).
+// FP8 weights (wgmma form only): e4m3 tiles land in a staging buffer, are widened to bf16
+// (exactly) into the swizzled B tile, and each 128-K block's partial product is multiplied by its
+// 128x128 block scale on the way into the float32 accumulator.
 #include <algorithm>
 
 #include "backend/cuda/common.cuh"
@@ -25,11 +28,12 @@ __host__ __device__ constexpr int kstep() { return WG ? 64 : 32; }
 template <bool WG, bool LO = true, bool ASYNC = false>
 __host__ __device__ constexpr int stages() { return WG ? (ASYNC && !LO ? 4 : 3) : 4; }
 constexpr int kLdc = TN + 4;  // epilogue tile row
-// Per stage A hi, A lo when LO, B (bf16); at least the epilogue's float tile; + alignment slack
-// for wgmma (its buffers start on 1024 bytes).
-template <int TM, bool WG, bool LO, bool ASYNC>
+// Per stage A hi, A lo when LO, B (bf16), and with F8 the e4m3 B staging tile; at least the
+// epilogue's float tile; + alignment slack for wgmma (its buffers start on 1024 bytes).
+template <int TM, bool WG, bool LO, bool ASYNC, bool F8 = false>
 constexpr int smem_bytes() {
-  const int pipe = stages<WG, LO, ASYNC>() * ((LO ? 2 : 1) * TM + TN) * kstep<WG>() * 2, epi = TM * kLdc * 4;
+  const int pipe = stages<WG, LO, ASYNC>() * (((LO ? 2 : 1) * TM + TN) * kstep<WG>() * 2 + (F8 ? TN * kstep<WG>() : 0)),
+            epi = TM * kLdc * 4;
   return (pipe > epi ? pipe : epi) + (WG ? 1024 : 0);
 }
 
@@ -74,26 +78,45 @@ __device__ __forceinline__ void fence_proxy_async() {
 }
 __device__ __forceinline__ void reg_fence(float& r) { asm volatile("" : "+f"(r)::"memory"); }
 
-// D[64x128] += A[64x16] * B[128x16]^T, both from shared memory (128-byte swizzled K-major tiles).
-__device__ __forceinline__ void wgmma_64x128x16(float (&d)[64], uint64_t da, uint64_t db) {
+// D[64x128] += A[64x16] * B[128x16]^T (D = A * B^T when !acc), both from shared memory (128-byte
+// swizzled K-major tiles).
+__device__ __forceinline__ void wgmma_64x128x16(float (&d)[64], uint64_t da, uint64_t db, bool acc = true) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900 && defined(__CUDA_ARCH_FEAT_SM90_ALL)
   asm volatile(
       "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
       "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31,%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47,%48,%49,%50,%51,%52,%53,%54,%55,%56,%57,%58,%59,%60,%61,%62,%63}, %64, %65, p, 1, 1, 0, 0;\n}\n"
       : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
-      : "l"(da), "l"(db), "r"(1));
+      : "l"(da), "l"(db), "r"(acc ? 1 : 0));
 #endif
 }
 
 
-template <int TM, int WM, bool WG, bool LO, bool ASYNC>
+// e4m3 -> bf16 of 16 bytes (exact: every e4m3 value is a bf16), as two 8-element chunks.
+__device__ __forceinline__ void e4m3x16_to_bf16(uint4 v, uint4& lo8, uint4& hi8) {
+  const uint32_t w[4] = {v.x, v.y, v.z, v.w};
+  uint32_t o[8];
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const float2 a = e4m3x2_bits(w[i] & 0xffffu), b = e4m3x2_bits(w[i] >> 16);
+    const __nv_bfloat162 ha = __floats2bfloat162_rn(a.x, a.y), hb = __floats2bfloat162_rn(b.x, b.y);
+    o[2 * i] = *reinterpret_cast<const uint32_t*>(&ha);
+    o[2 * i + 1] = *reinterpret_cast<const uint32_t*>(&hb);
+  }
+  lo8 = make_uint4(o[0], o[1], o[2], o[3]);
+  hi8 = make_uint4(o[4], o[5], o[6], o[7]);
+}
+
+template <int TM, int WM, bool WG, bool LO, bool ASYNC, bool F8 = false>
 __global__ void __launch_bounds__(TM / WM * 64) tc_gemm_kernel(TcJob j) {
+  static_assert(!F8 || (WG && !ASYNC), "FP8 weights: the wgmma form without an in-flight group");
   constexpr int BK = kstep<WG>(), CPR = BK / 8, kS = stages<WG, LO, ASYNC>();
   // Loads run P stages ahead. ASYNC keeps the last wgmma group in flight, so the buffer a load
   // refills must be two iterations old: P = stages - 2.
   constexpr int P = WG && ASYNC ? kS - 2 : kS - 1;
-  constexpr int kThreads = TM / WM * 64, kAElems = TM * BK, kBElems = TN * BK, kBPer = TN * CPR / kThreads,
-                kAPer = TM * CPR / kThreads, MI = WM / 16;
+  // F8: B rows of BK bytes in 16-byte chunks (BK / 16 per row) into the staging tile.
+  constexpr int kThreads = TM / WM * 64, kAElems = TM * BK, kBElems = TN * BK,
+                kBPer = TN * (F8 ? BK / 16 : CPR) / kThreads, kAPer = TM * CPR / kThreads, MI = WM / 16;
+  constexpr int kFElems = F8 ? TN * BK / 2 : 0;  // the e4m3 staging tile, in bf16-sized units
   static_assert(!WG || (TM == 64 && kThreads == 128), "wgmma form: one warpgroup, 64 rows");
   extern __shared__ __align__(128) unsigned char smem_raw[];
   unsigned char* smem = WG ? reinterpret_cast<unsigned char*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023))
@@ -132,8 +155,10 @@ __global__ void __launch_bounds__(TM / WM * 64) tc_gemm_kernel(TcJob j) {
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, wm = warp >> 1, wn = warp & 1;
   __nv_bfloat16* sbase = reinterpret_cast<__nv_bfloat16*>(smem);
   constexpr int kParts = LO ? 2 : 1;  // A hi (and lo)
-  auto sA = [&](int st, int part) { return sbase + st * (kParts * kAElems + kBElems) + part * kAElems; };
-  auto sB = [&](int st) { return sbase + st * (kParts * kAElems + kBElems) + kParts * kAElems; };
+  constexpr int kStage = kParts * kAElems + kBElems + kFElems;
+  auto sA = [&](int st, int part) { return sbase + st * kStage + part * kAElems; };
+  auto sB = [&](int st) { return sbase + st * kStage + kParts * kAElems; };
+  auto sF = [&](int st) { return reinterpret_cast<uint8_t*>(sbase + st * kStage + kParts * kAElems + kBElems); };
 
   // ---- loaders: A rows (2 chunks per thread per part), B rows (4 chunks per thread)
   const __nv_bfloat16* a_src[kAPer];
@@ -148,19 +173,20 @@ __global__ void __launch_bounds__(TM / WM * 64) tc_gemm_kernel(TcJob j) {
     a_src[i] = ahi + row * j.lda + ch * 8;
     a_dst[i] = swz<WG>(r, ch);
   }
-  const __nv_bfloat16* b_src[kBPer];
+  const uint8_t* b_src[kBPer];  // byte addresses; k advances by BK elements of the weight's size
   bool b_ok[kBPer];
-  int b_dst[kBPer];
+  int b_dst[kBPer];  // bf16: element offset in the B tile; F8: byte offset in the staging tile
+  constexpr int kCPR = F8 ? BK / 16 : CPR, kEsz = F8 ? 1 : 2;
 #pragma unroll
   for (int i = 0; i < kBPer; ++i) {
-    const int c = tid + i * kThreads, r = c / CPR, ch = c % CPR;
+    const int c = tid + i * kThreads, r = c / kCPR, ch = c % kCPR;
     const bool second = j.swiglu && r >= TN / 2;
     const DevLinear& W = second ? W1 : W0;
     const int64_t wr = second ? n0 + r - TN / 2 : n0 + r;
     b_ok[i] = wr < N;
     const int64_t rr = W.row0 + bz * j.shift.wrows + (b_ok[i] ? wr : 0);
-    b_src[i] = static_cast<const __nv_bfloat16*>(W.w) + rr * W.ld + W.col0 + ch * 8;
-    b_dst[i] = swz<WG>(r, ch);
+    b_src[i] = static_cast<const uint8_t*>(W.w) + (rr * W.ld + W.col0) * kEsz + ch * 16;
+    b_dst[i] = F8 ? r * BK + ch * 16 : swz<WG>(r, ch);
   }
   const int64_t lo_off = alo ? alo - ahi : 0;
   auto load_stage = [&](int st, int kt) {
@@ -171,8 +197,31 @@ __global__ void __launch_bounds__(TM / WM * 64) tc_gemm_kernel(TcJob j) {
       if (LO) cp_async16(smem_addr(sA(st, 1) + a_dst[i]), a_src[i] + lo_off + k, a_ok[i]);
     }
 #pragma unroll
-    for (int i = 0; i < kBPer; ++i) cp_async16(smem_addr(sB(st) + b_dst[i]), b_src[i] + k, b_ok[i]);
+    for (int i = 0; i < kBPer; ++i) {
+      if (F8) cp_async16(smem_addr(sF(st) + b_dst[i]), b_src[i] + k, b_ok[i]);
+      else cp_async16(smem_addr(sB(st) + b_dst[i]), b_src[i] + k * 2, b_ok[i]);
+    }
   };
+  // F8: the staged e4m3 tile widened into the swizzled bf16 B tile (each thread its own chunks).
+  auto widen_stage = [&](int st) {
+#pragma unroll
+    for (int i = 0; i < kBPer; ++i) {
+      const int c = tid + i * kThreads, r = c / kCPR, ch = c % kCPR;
+      uint4 lo8, hi8;
+      e4m3x16_to_bf16(*reinterpret_cast<const uint4*>(sF(st) + r * BK + ch * 16), lo8, hi8);
+      *reinterpret_cast<uint4*>(sB(st) + swz<WG>(r, 2 * ch)) = lo8;
+      *reinterpret_cast<uint4*>(sB(st) + swz<WG>(r, 2 * ch + 1)) = hi8;
+    }
+  };
+  // F8 block scales of the tile's weight rows (one 128-row block per half: w1 | w3 for SwiGLU).
+  const float *sc0 = nullptr, *sc1 = nullptr;
+  int64_t sc_col0 = 0;
+  if (F8) {
+    const DevLinear& Wb = j.swiglu ? W1 : W0;
+    sc0 = W0.s + ((W0.row0 + bz * j.shift.wrows + n0) >> 7) * W0.lds;
+    sc1 = Wb.s + ((Wb.row0 + bz * j.shift.wrows + (j.swiglu ? n0 : n0 + TN / 2)) >> 7) * Wb.lds;
+    sc_col0 = W0.col0;
+  }
 
   int kt0 = 0, nk = int(K / BK);
   if (j.splits > 1) {
@@ -188,6 +237,9 @@ __global__ void __launch_bounds__(TM / WM * 64) tc_gemm_kernel(TcJob j) {
   float* ct = reinterpret_cast<float*>(smem);  // the epilogue's tile [TM][kLdc], over the stages
   if constexpr (WG) {
     float d[64];
+    // F8: the MMAs write the current 128-K block's partial product to dp, which is scaled into d
+    // at the block's end (kt0 + kt odd) or the split's end.
+    float dp[64];
 #pragma unroll
     for (int i = 0; i < 64; ++i) d[i] = 0.f;
     for (int kt = 0; kt < nk; ++kt) {
@@ -198,19 +250,34 @@ __global__ void __launch_bounds__(TM / WM * 64) tc_gemm_kernel(TcJob j) {
       if (nx < nk) load_stage(nx % kS, kt0 + nx);
       cp_async_commit();
       const int st = kt % kS;
+      if constexpr (F8) {
+        widen_stage(st);
+        fence_proxy_async();
+        __syncthreads();
+      }
       const uint64_t dh = wg_desc(smem_addr(sA(st, 0))), dl = wg_desc(smem_addr(sA(st, 1))),
                      db = wg_desc(smem_addr(sB(st)));
+      float (&acc)[64] = F8 ? dp : d;
+      const bool fresh = F8 && (kt == 0 || ((kt0 + kt) & 1) == 0);  // first K step of a 128-K block
 #pragma unroll
-      for (int i = 0; i < 64; ++i) reg_fence(d[i]);
+      for (int i = 0; i < 64; ++i) reg_fence(acc[i]);
       wg_fence();
 #pragma unroll
       for (int kk = 0; kk < BK / 16; ++kk) {  // +32 bytes per 16 K values: +2 in the descriptor
-        wgmma_64x128x16(d, dh + 2 * kk, db + 2 * kk);
-        if (LO) wgmma_64x128x16(d, dl + 2 * kk, db + 2 * kk);
+        wgmma_64x128x16(acc, dh + 2 * kk, db + 2 * kk, !(fresh && kk == 0));
+        if (LO) wgmma_64x128x16(acc, dl + 2 * kk, db + 2 * kk);
       }
       wg_commit_wait<ASYNC ? 1 : 0>();
 #pragma unroll
-      for (int i = 0; i < 64; ++i) reg_fence(d[i]);
+      for (int i = 0; i < 64; ++i) reg_fence(acc[i]);
+      if constexpr (F8) {
+        if (((kt0 + kt) & 1) == 1 || kt == nk - 1) {
+          const int64_t kb = (sc_col0 + int64_t(kt0 + kt) * BK) >> 7;
+          const float s0 = sc0[kb], s1 = sc1[kb];
+#pragma unroll
+          for (int i = 0; i < 64; ++i) d[i] = fmaf(dp[i], i < 32 ? s0 : s1, d[i]);  // columns 8 (i / 4) + ...
+        }
+      }
     }
     wg_wait<0>();
 #pragma unroll
@@ -382,25 +449,35 @@ bool tc_ok(const DevLinear& w) {
          reinterpret_cast<uintptr_t>(w.w) % 16 == 0;
 }
 
+bool tc_ok_fp8(const DevLinear& w) {
+  return w.t == kFP8 && w.cols > 0 && w.cols % 64 == 0 && w.ld % 16 == 0 && w.col0 % 128 == 0 &&
+         w.row0 % 128 == 0 && reinterpret_cast<uintptr_t>(w.w) % 16 == 0;
+}
+
 namespace {
 
-template <int TM, int WM, bool WG, bool LO, bool ASYNC>
+template <int TM, int WM, bool WG, bool LO, bool ASYNC, bool F8 = false>
 void tc_launch_lo(const Launch& L, const TcJob& j, int64_t grid_m, int64_t max_n, int batch) {
   static bool attr_set = false;  // per process: one device
   if (!attr_set) {
-    DSV3_CUDA_CHECK(cudaFuncSetAttribute(tc_gemm_kernel<TM, WM, WG, LO, ASYNC>,
+    DSV3_CUDA_CHECK(cudaFuncSetAttribute(tc_gemm_kernel<TM, WM, WG, LO, ASYNC, F8>,
                                          cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                         smem_bytes<TM, WG, LO, ASYNC>()));
+                                         smem_bytes<TM, WG, LO, ASYNC, F8>()));
     attr_set = true;
   }
   const int64_t tn = j.swiglu ? TN / 2 : TN;
-  launch(L, tc_gemm_kernel<TM, WM, WG, LO, ASYNC>,
+  launch(L, tc_gemm_kernel<TM, WM, WG, LO, ASYNC, F8>,
          dim3(unsigned(grid_m), cdiv(max_n, tn), unsigned(j.splits > 1 ? j.splits : batch)), dim3(TM / WM * 64),
-         size_t(smem_bytes<TM, WG, LO, ASYNC>()), j);
+         size_t(smem_bytes<TM, WG, LO, ASYNC, F8>()), j);
 }
 template <int TM, int WM, bool WG>
 void tc_launch(const Launch& L, const TcJob& j, int64_t grid_m, int64_t max_n, int batch) {
   if constexpr (WG) {
+    if (j.fp8) {
+      if (j.a_lo) tc_launch_lo<TM, WM, WG, true, false, true>(L, j, grid_m, max_n, batch);
+      else tc_launch_lo<TM, WM, WG, false, false, true>(L, j, grid_m, max_n, batch);
+      return;
+    }
     if (j.wg_async) {
       if (j.a_lo) tc_launch_lo<TM, WM, WG, true, true>(L, j, grid_m, max_n, batch);
       else tc_launch_lo<TM, WM, WG, false, true>(L, j, grid_m, max_n, batch);
@@ -415,6 +492,7 @@ void tc_launch(const Launch& L, const TcJob& j, int64_t grid_m, int64_t max_n, i
 
 void tc_gemm(const Launch& L, const TcJob& j, int64_t grid_m, int64_t max_n, int batch) {
   if (j.splits > 1) DSV3_CHECK(batch == 1 && !j.grouped && !j.swiglu && j.ws, "split-K: plain single products only");
+  DSV3_CHECK(!j.fp8 || j.wgmma, "FP8 weights in the pipelined kernel: wgmma form only");
   if (j.wgmma) {
     DSV3_CHECK(j.tm == 64, "the wgmma form has 64-row tiles");
     tc_launch<64, 32, true>(L, j, grid_m, max_n, batch);
