@@ -242,6 +242,10 @@ __global__ void __launch_bounds__(TM / WM * 64) tc_gemm_kernel(TcJob j) {
     float dp[64];
 #pragma unroll
     for (int i = 0; i < 64; ++i) d[i] = 0.f;
+    if constexpr (F8) {  // each thread widens the chunks it loaded itself: no barrier before
+      cp_async_wait<P - 1>();
+      if (nk > 0) widen_stage(0);
+    }
     for (int kt = 0; kt < nk; ++kt) {
       cp_async_wait<P - 1>();
       fence_proxy_async();
@@ -250,11 +254,6 @@ __global__ void __launch_bounds__(TM / WM * 64) tc_gemm_kernel(TcJob j) {
       if (nx < nk) load_stage(nx % kS, kt0 + nx);
       cp_async_commit();
       const int st = kt % kS;
-      if constexpr (F8) {
-        widen_stage(st);
-        fence_proxy_async();
-        __syncthreads();
-      }
       const uint64_t dh = wg_desc(smem_addr(sA(st, 0))), dl = wg_desc(smem_addr(sA(st, 1))),
                      db = wg_desc(smem_addr(sB(st)));
       float (&acc)[64] = F8 ? dp : d;
@@ -267,7 +266,16 @@ __global__ void __launch_bounds__(TM / WM * 64) tc_gemm_kernel(TcJob j) {
         wgmma_64x128x16(acc, dh + 2 * kk, db + 2 * kk, !(fresh && kk == 0));
         if (LO) wgmma_64x128x16(acc, dl + 2 * kk, db + 2 * kk);
       }
-      wg_commit_wait<ASYNC ? 1 : 0>();
+      if constexpr (F8) {  // widen the next stage while the tensor cores work on this one
+        wg_commit_wait<1>();  // commit only: the group stays in flight
+        if (kt + 1 < nk) {
+          cp_async_wait<P - 1>();  // stage kt + 1 (this thread's chunks) landed
+          widen_stage((kt + 1) % kS);
+        }
+        wg_wait<0>();
+      } else {
+        wg_commit_wait<ASYNC ? 1 : 0>();
+      }
 #pragma unroll
       for (int i = 0; i < 64; ++i) reg_fence(acc[i]);
       if constexpr (F8) {
