@@ -375,7 +375,13 @@ __global__ void __launch_bounds__(kWarps * 32, 2) gate_route_kernel(Job J, Route
   __shared__ float sc_s[kWarps][kMaxE], ch_s[kWarps][kMaxE];
   __shared__ float gs_s[kWarps][kMaxG];
   __shared__ bool last;
-  run_job<WT, NT>(J, true);
+  // One gate row per warp (the rows are few; pairing them as run_job does doubles each warp's
+  // chain of loads). The trigger comes first: the expert kernel's blocks may start and load the
+  // shared experts' first weights while the last block routes.
+  pdl_wait();
+  pdl_trigger();
+  for (int64_t r = int64_t(blockIdx.x) * kWarps + (threadIdx.x >> 5); r < J.a.rows; r += int64_t(gridDim.x) * kWarps)
+    warp_rows<WT, NT>(J, r, -1);
   __threadfence();
   __syncthreads();
   if (threadIdx.x == 0) last = atomicAdd(counter, 1u) == gridDim.x - 1;
@@ -389,7 +395,6 @@ __global__ void __launch_bounds__(kWarps * 32, 2) gate_route_kernel(Job J, Route
     group_pairs(s, true);
     if (threadIdx.x == 0) *counter = 0;
   }
-  pdl_trigger();
 }
 
 bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
@@ -483,7 +488,7 @@ void gate_route(const Launch& L, const DevLinear& gate, const float* x, int64_t 
   J.fused = false;
   J.x = x, J.ldx = gate.cols, J.idx = nullptr, J.m = n, J.y = logits, J.ldy = gate.rows;
   J.vec = aligned16(x) && gate.cols % 4 == 0 && vec_ok(gate);
-  const dim3 grid(unsigned((gate.rows + 2 * kWarps - 1) / (2 * kWarps)));
+  const dim3 grid(unsigned((gate.rows + kWarps - 1) / kWarps));
   const bool one = n == 1;
   if (gate.t == kBF16) {
     if (one) launch(L, gate_route_kernel<kBF16, 1>, grid, dim3(kWarps * 32), 0, J, r, bias, s, counter);

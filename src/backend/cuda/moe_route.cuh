@@ -30,6 +30,7 @@ __device__ void route_token_warp(const RouteArgs& ra, const float* __restrict__ 
                                  float* topk_w) {
   const int E = s.E, K = s.K, Kt = s.K + s.S, G = ra.G, per = E / G, lane = threadIdx.x & 31;
   constexpr int kPer = kMaxE / 32;  // experts per lane at most
+  const int nj = (E + 31) / 32;     // ... and for this E (the loops below skip the rest)
   const float* lg = logits + i * E;  // read from L2: written by other blocks (fused gate)
   // Scores in double, rounded once, as model/gate.cc (float32 versions differ by a few ulps,
   // which can flip a near-tie).
@@ -38,7 +39,7 @@ __device__ void route_token_warp(const RouteArgs& ra, const float* __restrict__ 
 #pragma unroll
   for (int j = 0; j < kPer; ++j) {
     const int e = lane + 32 * j;
-    v[j] = e < E ? __ldcg(lg + e) : -INFINITY;
+    v[j] = j < nj && e < E ? __ldcg(lg + e) : -INFINITY;
     mx = fmax(mx, double(v[j]));
   }
   if (!ra.sigmoid) {
@@ -47,22 +48,24 @@ __device__ void route_token_warp(const RouteArgs& ra, const float* __restrict__ 
     double ex[kPer], sum = 0.0;
 #pragma unroll
     for (int j = 0; j < kPer; ++j) {
-      const int e = lane + 32 * j;
-      ex[j] = e < E ? exp(double(v[j]) - mx) : 0.0;
+      ex[j] = 0.0;
+      if (j < nj && lane + 32 * j < E) ex[j] = exp(double(v[j]) - mx);  // a branch: no exp for absent experts
       sum += ex[j];
     }
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
 #pragma unroll
-    for (int j = 0; j < kPer; ++j) v[j] = float(ex[j] / sum);
+    for (int j = 0; j < kPer; ++j)
+      if (j < nj) v[j] = float(ex[j] / sum);
   } else {
 #pragma unroll
-    for (int j = 0; j < kPer; ++j) v[j] = float(1.0 / (1.0 + exp(-double(v[j]))));
+    for (int j = 0; j < kPer; ++j)
+      if (j < nj && lane + 32 * j < E) v[j] = float(1.0 / (1.0 + exp(-double(v[j]))));
   }
 #pragma unroll
   for (int j = 0; j < kPer; ++j) {
     const int e = lane + 32 * j;
-    if (e < E) sc[e] = v[j], ch[e] = bias ? v[j] + bias[e] : v[j];
+    if (j < nj && e < E) sc[e] = v[j], ch[e] = bias ? v[j] + bias[e] : v[j];
   }
   __syncwarp();
   if (G > 1) {
@@ -97,36 +100,41 @@ __device__ void route_token_warp(const RouteArgs& ra, const float* __restrict__ 
   }
   // Top-K by K rounds of a warp-wide best over the experts not yet taken.
   uint32_t taken = 0;  // bit j: expert lane + 32 j
-  int idx[kMaxK];
-  float w[kMaxK], sum = 0.f;
+  float sum = 0.f;
   for (int k = 0; k < K; ++k) {
     float bv = -INFINITY;
     int bi = -1;
 #pragma unroll
     for (int j = 0; j < kPer; ++j) {
       const int e = lane + 32 * j;
-      if (e < E && !((taken >> j) & 1)) better_of(bv, bi, ch[e], e);
+      if (j < nj && e < E && !((taken >> j) & 1)) better_of(bv, bi, ch[e], e);
     }
     warp_best(bv, bi);
     if ((bi & 31) == lane) taken |= 1u << (bi >> 5);
-    idx[k] = bi;
-    w[k] = sc[bi];
-    sum += w[k];
+    const float wk = sc[bi];
+    sum += wk;  // in choice order, as gate.cc
+    if (topk_idx && lane == 0) topk_idx[i * K + k] = bi;  // tests: the choices in choice order
   }
-  if (lane == 0) {
-    for (int k = 0; k < K; ++k) {
-      if (ra.norm) w[k] /= sum;
-      w[k] *= ra.route_scale;
+  auto weight_of = [&](float sc_e) {
+    float wv = sc_e;
+    if (ra.norm) wv /= sum;
+    return wv * ra.route_scale;
+  };
+  if (topk_idx && lane == 0)
+    for (int k = 0; k < K; ++k) topk_w[i * K + k] = weight_of(sc[topk_idx[i * K + k]]);
+  // Routed choices by expert index (the order the reference adds them in): each chosen expert's
+  // rank is the number of chosen experts below it (ballots over the lanes' taken bits).
+  int base = 0;
+#pragma unroll
+  for (int j = 0; j < kPer; ++j) {
+    if (j >= nj) break;
+    const bool mine = (taken >> j) & 1;
+    const unsigned msk = __ballot_sync(0xffffffffu, mine);
+    if (mine) {
+      const int rank = base + __popc(msk & ((1u << lane) - 1u)), e = lane + 32 * j;
+      s.pair_of[i * Kt + rank] = e, s.pw[i * Kt + rank] = weight_of(sc[e]);
     }
-    if (topk_idx)
-      for (int k = 0; k < K; ++k) topk_idx[i * K + k] = idx[k], topk_w[i * K + k] = w[k];
-    // Routed choices by expert index (the order the reference adds them in).
-    for (int a = 1; a < K; ++a)
-      for (int b = a; b > 0 && idx[b - 1] > idx[b]; --b) {
-        int ti = idx[b]; idx[b] = idx[b - 1]; idx[b - 1] = ti;
-        float tw = w[b]; w[b] = w[b - 1]; w[b - 1] = tw;
-      }
-    for (int k = 0; k < K; ++k) s.pair_of[i * Kt + k] = idx[k], s.pw[i * Kt + k] = w[k];
+    base += __popc(msk);
   }
   __syncwarp();
 }
