@@ -6,6 +6,7 @@
 // reference's and transformers' speeds on an H200 (bench/anchors_h200.h).
 //
 //   dsv3_cuda_bench [--dtypes bf16,fp8] [--steps 64] [--json FILE] [--quick] [--profile] [--prefill-only]
+//                   [--ctx N]   (decode after N prefilled positions per row; default 16)
 // --profile adds a run that times every op and kernel group with events (no graphs).
 #include <cuda_runtime.h>
 
@@ -94,6 +95,7 @@ int main(int argc, char** argv) {
   std::vector<std::string> dtypes = {"bf16", "fp8"};
   int steps = 64;
   bool quick = false, profile = false, prefill_only = false;
+  int ctx = 16;
   std::string json;
   for (int i = 1; i < argc; ++i) {
     std::string s = argv[i];
@@ -121,10 +123,13 @@ int main(int argc, char** argv) {
       quick = true;
     } else if (s == "--prefill-only") {
       prefill_only = true;
+    } else if (s == "--ctx") {
+      ctx = std::max(1, std::atoi(next().c_str()));
     } else if (s == "--profile") {
       profile = true;
     } else {
-      std::fprintf(stderr, "usage: dsv3_cuda_bench [--dtypes bf16,fp8] [--steps N] [--json FILE] [--quick]\n");
+      std::fprintf(stderr, "usage: dsv3_cuda_bench [--dtypes bf16,fp8] [--steps N] [--json FILE] [--quick] [--profile] "
+                           "[--prefill-only] [--ctx N]\n");
       return 2;
     }
   }
@@ -191,7 +196,7 @@ int main(int argc, char** argv) {
         for (auto& [k, b] : st.bytes_by_dtype) all_bytes += b;
         ModelOptions mo;
         mo.max_slots = 8;
-        mo.max_len = 1024 + 64;
+        mo.max_len = std::max(1024 + 64, ctx + 8 + steps + 8);
         Model model(a, std::move(w), std::move(be), mo);
         const int V = a.vocab_size;
         float* logits = nullptr;
@@ -200,7 +205,7 @@ int main(int argc, char** argv) {
         std::uniform_int_distribution<int> tokd(0, V - 1);
         if (v.decode && !prefill_only) {
           for (int B : {1, 8}) {
-            const int T0 = 16;
+            const int T0 = ctx;
             std::vector<int32_t> tok(size_t(B * T0));
             for (auto& t : tok) t = tokd(rng);
             model.forward(tok.data(), B, T0, 0, logits);  // prefill the rows

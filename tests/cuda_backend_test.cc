@@ -455,6 +455,62 @@ TEST(CudaOps, MlaLongRunMatchesRef) {
   }
 }
 
+// The one-launch decode attention (scores, softmax, latent sum, split combination by the last
+// block) at the real models' latent shape against double on the host: tokens at the first, a
+// middle and the last cache position, several position splits and passes; launched twice to show
+// the split counters are left zeroed.
+TEST(CudaOps, DecodeAttentionMatchesFloat64) {
+  REQUIRE_GPU();
+  auto cuda = make_cuda_backend(opts());
+  cuda::MlaDims d;
+  d.H = 16, d.nope = 128, d.R = 64, d.C = 512, d.V = 128, d.max_len = 2048, d.scale = 0.0721f;
+  const std::vector<cuda::DevPos> tp = {{0, 0}, {1, 700}, {2, 2047}};
+  const int64_t n = int64_t(tp.size()), H = d.H, C = d.C, R = d.R, qk = d.qk(), ML = d.max_len;
+  ASSERT_TRUE(cuda::mla_decode_ok(d, n, 4096));
+  const std::vector<float> qa = randn(size_t(n * H * C), 51), q = randn(size_t(n * H * qk), 52),
+                           ckv = randn(size_t(3 * ML * C), 53, 0.5f), cpe = randn(size_t(3 * ML * R), 54, 0.5f);
+  std::vector<float> want(size_t(n * H * C));
+  for (int64_t i = 0; i < n; ++i)
+    for (int64_t h = 0; h < H; ++h) {
+      const int64_t len = tp[size_t(i)].pos + 1, row0 = int64_t(tp[size_t(i)].slot) * ML;
+      std::vector<double> sc(static_cast<size_t>(len));
+      double mx = -1e300, sum = 0;
+      for (int64_t t = 0; t < len; ++t) {
+        double v = 0;
+        for (int64_t c = 0; c < C; ++c) v += double(qa[size_t((i * H + h) * C + c)]) * ckv[size_t((row0 + t) * C + c)];
+        for (int64_t c = 0; c < R; ++c)
+          v += double(q[size_t((i * H + h) * qk + d.nope + c)]) * cpe[size_t((row0 + t) * R + c)];
+        sc[size_t(t)] = v * d.scale;
+        mx = std::max(mx, sc[size_t(t)]);
+      }
+      for (auto& v : sc) sum += (v = std::exp(v - mx));
+      for (int64_t c = 0; c < C; ++c) {
+        double o = 0;
+        for (int64_t t = 0; t < len; ++t) o += sc[size_t(t)] * ckv[size_t((row0 + t) * C + c)];
+        want[size_t((i * H + h) * C + c)] = float(o / sum);
+      }
+    }
+  EXPECT_GT(cuda::mla_decode_splits(d, n), 3) << "the case is meant to split the positions";
+  Dev dqa(*cuda, qa), dq(*cuda, q), dkv(*cuda, ckv), dpe(*cuda, cpe), cnt(*cuda, 4096);
+  Dev dpos(*cuda, std::vector<float>(reinterpret_cast<const float*>(tp.data()),
+                                     reinterpret_cast<const float*>(tp.data()) + 2 * tp.size()));
+  for (int ns : {cuda::mla_decode_splits(d, n), 3, 1}) {
+    Dev part(*cuda, size_t(ns * n * H * C)), ml(*cuda, size_t(ns * n * H * 2));
+    for (int rep = 0; rep < 2; ++rep) {
+      Dev out(*cuda, std::vector<float>(want.size(), std::nanf("")));
+      cuda::Launch L;
+      cuda::mla_decode_attn(L, d, reinterpret_cast<const cuda::DevPos*>(dpos.p), n, dqa.p, dq.p, dkv.p, dpe.p, ns,
+                            part.p, ml.p, reinterpret_cast<unsigned*>(cnt.p), out.p);
+      ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+      const std::vector<float> got = out.get();
+      for (size_t e = 0; e < got.size(); ++e) ASSERT_TRUE(std::isfinite(got[e])) << "unwritten or NaN at " << e;
+      EXPECT_LE(rel_l2(got.data(), want.data(), got.size()), 1e-5) << ns << " splits, launch " << rep;
+      const std::vector<float> c = cnt.get();
+      EXPECT_TRUE(std::all_of(c.begin(), c.end(), [](float v) { return v == 0.f; })) << "counters left set";
+    }
+  }
+}
+
 // The weight upload through two pinned staging buffers: ranges with gaps (alignment padding),
 // pieces larger and smaller than a chunk, a chunk size that divides nothing; out-of-order puts
 // are refused.

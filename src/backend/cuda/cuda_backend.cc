@@ -51,6 +51,7 @@ CudaOptions CudaOptions::from_env() {
   o.attn_chunk = env_int("DSV3_CUDA_ATTN_CHUNK", o.attn_chunk);
   o.flash = env_flag("DSV3_CUDA_FLASH", o.flash);
   o.fp8_wgmma = env_flag("DSV3_CUDA_FP8_WGMMA", o.fp8_wgmma);
+  o.decode_attn = env_flag("DSV3_CUDA_DECODE_ATTN", o.decode_attn);
   o.progress = env_flag("DSV3_CUDA_PROGRESS", isatty(2) != 0);
   o.profile = env_flag("DSV3_CUDA_PROFILE", o.profile);
   return o;
@@ -176,6 +177,8 @@ class CudaBackend final : public Backend {
     CK(cudaMallocHost(&staging_, kStagingBytes));
     CK(cudaMalloc(&counter_, sizeof(unsigned)));
     CK(cudaMemset(counter_, 0, sizeof(unsigned)));
+    CK(cudaMalloc(&attn_counters_, sizeof(unsigned) * kAttnCounters));
+    CK(cudaMemset(attn_counters_, 0, sizeof(unsigned) * kAttnCounters));
     CK(cudaEventCreateWithFlags(&staging_done_, cudaEventDisableTiming));
     // cuBLAS (the prefill attention) set up now: never during graph capture.
     CB(cublasCreate(&cublas_));
@@ -202,6 +205,7 @@ class CudaBackend final : public Backend {
     for (cudaEvent_t e : free_events_) cudaEventDestroy(e);
     cudaFreeHost(staging_);
     cudaFree(counter_);
+    cudaFree(attn_counters_);
     cudaEventDestroy(staging_done_);
     cudaStreamDestroy(stream_);
   }
@@ -541,7 +545,6 @@ class CudaBackend final : public Backend {
         mla_runs(d, pos, runs, tp, n, q, cache, wkv_b, S, out);
         return;
       }
-      float* S = f32(kS, size_t(n * H * max_len));
       float* ol = f32(kKvb, size_t(n * H * C));
       {
         float* qa = f32(kLat, size_t(n * H * C));
@@ -553,13 +556,20 @@ class CudaBackend final : public Backend {
           mark("mla.qabs");
           cuda::mla_qabs(L_, d, wkv_b, q, n, qa);
         }
-        mark("mla.scores");
-        cuda::mla_scores(L_, d, pos, n, qa, q, cache.kv, cache.pe, S);
-        mark("mla.values");
-        const int ns = cuda::mla_splits(d, n);
+        const bool one = opt_.decode_attn && n <= 16 && cuda::mla_decode_ok(d, n, kAttnCounters);
+        const int ns = one ? cuda::mla_decode_splits(d, n) : cuda::mla_splits(d, n);
         float* part = ns > 1 ? f32(kPart, size_t(ns * n * H * C)) : nullptr;
         float* ml = ns > 1 ? f32(kMl, size_t(ns * n * H * 2)) : nullptr;
-        cuda::mla_values(L_, d, pos, n, S, cache.kv, ns, part, ml, ol);
+        if (one) {
+          mark("mla.attn1");
+          cuda::mla_decode_attn(L_, d, pos, n, qa, q, cache.kv, cache.pe, ns, part, ml, attn_counters_, ol);
+        } else {
+          float* S = f32(kS, size_t(n * H * max_len));
+          mark("mla.scores");
+          cuda::mla_scores(L_, d, pos, n, qa, q, cache.kv, cache.pe, S);
+          mark("mla.values");
+          cuda::mla_values(L_, d, pos, n, S, cache.kv, ns, part, ml, ol);
+        }
       }
       // out[i, h*V + v] = ol[i, h, :] · wkv_b[h*(nope+V) + nope + v, :], a GEMV per head.
       mark("mla.out");
@@ -949,6 +959,8 @@ class CudaBackend final : public Backend {
   size_t rope_n_ = 0;
   void* staging_ = nullptr;
   unsigned* counter_ = nullptr;  // zeroed word for the fused gate + router
+  static constexpr int64_t kAttnCounters = 4096;
+  unsigned* attn_counters_ = nullptr;  // zeroed words for the one-launch decode attention
   cudaEvent_t staging_done_ = nullptr;
   void* step_dev_ = nullptr;
   size_t step_cap_ = 0;

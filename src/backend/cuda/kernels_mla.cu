@@ -324,6 +324,172 @@ __global__ void values_reduce_kernel(MlaDims d, const DevPos* __restrict__ pos, 
   }
 }
 
+// Absorbed attention of few tokens in one launch (decode): scores against the latent and rope
+// caches, float32 softmax and the weighted latent sum. Block: token i, HB heads, positions
+// [z * chunk, (z + 1) * chunk) in passes of kDecPass with a running max and sum. With several
+// position splits the blocks leave partial sums (part, ml) and the last one to finish for
+// (i, head block), by an atomic count, combines them: no second launch.
+constexpr int kDecPass = 128, kDecCols = 2;  // positions per pass; latent columns per thread (C <= 512)
+constexpr int kDecMaxSplits = kDecPass;      // the split factors reuse the score buffer
+
+template <int HB>
+__global__ void __launch_bounds__(256) decode_attn_kernel(MlaDims d, const DevPos* __restrict__ pos, int64_t n,
+                                                          const float* __restrict__ qa, const float* __restrict__ q,
+                                                          const float* __restrict__ ckv, const float* __restrict__ cpe,
+                                                          int64_t chunk, float* __restrict__ part,
+                                                          float* __restrict__ ml, unsigned* __restrict__ counters,
+                                                          float* __restrict__ ol) {
+  extern __shared__ float dsm[];  // q [HB][C + R], p [HB][kDecPass]
+  __shared__ float m_run[HB], l_run[HB], alpha[HB];
+  __shared__ bool last;
+  pdl_wait();
+  pdl_trigger();
+  const int nhb = (d.H + HB - 1) / HB, CR = d.C + d.R, qk = d.qk();
+  const int64_t i = blockIdx.x / nhb;
+  const int h0 = int(blockIdx.x % nhb) * HB, hb = min(HB, d.H - h0);
+  const DevPos p = pos[i];
+  const int64_t len = int64_t(p.pos) + 1, ts = int64_t(blockIdx.z) * chunk, te = min(len, ts + chunk);
+  if (ts >= len) return;  // not one of this token's splits
+  const int ns = int((len + chunk - 1) / chunk);
+  float* qs = dsm;
+  float* ps = dsm + HB * CR;
+  for (int e = threadIdx.x; e < HB * CR; e += blockDim.x) {
+    const int h = e / CR, j = e % CR;
+    const int64_t ih = i * d.H + h0 + h;
+    qs[e] = h >= hb ? 0.f : (j < d.C ? qa[ih * d.C + j] : q[ih * qk + d.nope + (j - d.C)]);
+  }
+  if (threadIdx.x < HB) m_run[threadIdx.x] = -INFINITY, l_run[threadIdx.x] = 0.f;
+  __syncthreads();
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int64_t row0 = int64_t(p.slot) * d.max_len;
+  float acc[HB][kDecCols];
+#pragma unroll
+  for (int h = 0; h < HB; ++h)
+#pragma unroll
+    for (int c = 0; c < kDecCols; ++c) acc[h][c] = 0.f;
+  for (int64_t t0 = ts; t0 < te; t0 += kDecPass) {
+    const int tn = int(te - t0 < kDecPass ? te - t0 : kDecPass);
+    for (int tt = warp; tt < tn; tt += 8) {  // scores: a warp per position, its cache row in registers
+      const int64_t rp = row0 + t0 + tt;
+      float kr[kMaxJ];
+#pragma unroll
+      for (int m = 0; m < kMaxJ; ++m) {
+        const int j = lane + 32 * m;
+        kr[m] = j < d.C ? ckv[rp * d.C + j] : (j < CR ? cpe[rp * d.R + (j - d.C)] : 0.f);
+      }
+#pragma unroll
+      for (int h = 0; h < HB; ++h) {
+        float sh = 0.f;
+#pragma unroll
+        for (int m = 0; m < kMaxJ; ++m) {
+          const int j = lane + 32 * m;
+          if (j < CR) sh = fmaf(kr[m], qs[h * CR + j], sh);
+        }
+        sh = warp_sum(sh);
+        if (lane == 0) ps[h * kDecPass + tt] = sh * d.scale;
+      }
+    }
+    __syncthreads();
+    if (warp < hb) {  // running softmax of head `warp`; ps becomes exp(s - m)
+      float* pr = ps + warp * kDecPass;
+      float mx = -INFINITY;
+      for (int tt = lane; tt < tn; tt += 32) mx = fmaxf(mx, pr[tt]);
+      mx = warp_max(mx);
+      const float mo = m_run[warp], mn = fmaxf(mo, mx);
+      float l = 0.f;
+      for (int tt = lane; tt < tn; tt += 32) {
+        const float e = expf(pr[tt] - mn);
+        pr[tt] = e;
+        l += e;
+      }
+      l = warp_sum(l);
+      if (lane == 0) {
+        const float a = expf(mo - mn);  // 0 on the first pass
+        alpha[warp] = a, l_run[warp] = l_run[warp] * a + l, m_run[warp] = mn;
+      }
+    }
+    __syncthreads();
+#pragma unroll
+    for (int c = 0; c < kDecCols; ++c) {
+      const int col = int(threadIdx.x) + 256 * c;
+      if (col >= d.C) continue;
+#pragma unroll
+      for (int h = 0; h < HB; ++h) acc[h][c] *= h < hb ? alpha[h] : 0.f;
+      const float* kvp = ckv + (row0 + t0) * d.C + col;
+      int tt = 0;
+      for (; tt + 4 <= tn; tt += 4) {
+        const float w0 = kvp[int64_t(tt) * d.C], w1 = kvp[int64_t(tt + 1) * d.C], w2 = kvp[int64_t(tt + 2) * d.C],
+                    w3 = kvp[int64_t(tt + 3) * d.C];
+#pragma unroll
+        for (int h = 0; h < HB; ++h) {
+          const float* pr = ps + h * kDecPass + tt;
+          acc[h][c] = fmaf(pr[3], w3, fmaf(pr[2], w2, fmaf(pr[1], w1, fmaf(pr[0], w0, acc[h][c]))));
+        }
+      }
+      for (; tt < tn; ++tt) {
+        const float w = kvp[int64_t(tt) * d.C];
+#pragma unroll
+        for (int h = 0; h < HB; ++h) acc[h][c] = fmaf(ps[h * kDecPass + tt], w, acc[h][c]);
+      }
+    }
+    __syncthreads();  // ps is rewritten by the next pass
+  }
+  if (ns == 1) {
+#pragma unroll
+    for (int c = 0; c < kDecCols; ++c) {
+      const int col = int(threadIdx.x) + 256 * c;
+      if (col >= d.C) continue;
+      for (int h = 0; h < hb; ++h) ol[(i * d.H + h0 + h) * d.C + col] = acc[h][c] / l_run[h];
+    }
+    return;
+  }
+  const int64_t z = blockIdx.z;
+#pragma unroll
+  for (int c = 0; c < kDecCols; ++c) {
+    const int col = int(threadIdx.x) + 256 * c;
+    if (col >= d.C) continue;
+    for (int h = 0; h < hb; ++h) part[(z * n * d.H + i * d.H + h0 + h) * d.C + col] = acc[h][c];
+  }
+  if (threadIdx.x < hb) {
+    const int64_t ih = i * d.H + h0 + threadIdx.x;
+    ml[(z * n * d.H + ih) * 2] = m_run[threadIdx.x], ml[(z * n * d.H + ih) * 2 + 1] = l_run[threadIdx.x];
+  }
+  __threadfence();
+  __syncthreads();
+  if (threadIdx.x == 0) last = atomicAdd(&counters[blockIdx.x], 1u) == unsigned(ns - 1);
+  __syncthreads();
+  if (!last) return;
+  __threadfence();
+  // Combine the splits (as values_reduce_kernel): each split's factor exp(m_z - M) once, in
+  // shared memory (the score buffer is free now), then the partial sums with loads in flight.
+  float* fz = ps;  // [HB][kDecMaxSplits]
+  if (warp < hb) {
+    const int64_t ih = i * d.H + h0 + warp;
+    float M = -INFINITY;
+    for (int zz = lane; zz < ns; zz += 32) M = fmaxf(M, __ldcg(ml + (zz * n * d.H + ih) * 2));
+    M = warp_max(M);
+    float Ls = 0.f;
+    for (int zz = lane; zz < ns; zz += 32) {
+      const float f = expf(__ldcg(ml + (zz * n * d.H + ih) * 2) - M);
+      fz[warp * kDecMaxSplits + zz] = f;
+      Ls += __ldcg(ml + (zz * n * d.H + ih) * 2 + 1) * f;
+    }
+    Ls = warp_sum(Ls);
+    if (lane == 0) l_run[warp] = Ls;
+  }
+  __syncthreads();
+  for (int h = 0; h < hb; ++h) {
+    const int64_t ih = i * d.H + h0 + h;
+    for (int col = threadIdx.x; col < d.C; col += blockDim.x) {
+      float sum = 0.f;
+#pragma unroll 4
+      for (int zz = 0; zz < ns; ++zz) sum += __ldcg(part + (zz * n * d.H + ih) * d.C + col) * fz[h * kDecMaxSplits + zz];
+      ol[ih * d.C + col] = sum / l_run[h];
+    }
+  }
+  if (threadIdx.x == 0) counters[blockIdx.x] = 0;  // ready for the next launch
+}
+
 __global__ void naive_store_kernel(MlaDims d, const DevPos* __restrict__ pos, const float* __restrict__ kvb,
                                    float* __restrict__ ck, float* __restrict__ cv) {
   pdl_wait();
@@ -458,6 +624,30 @@ void mla_values(const Launch& L, const MlaDims& d, const DevPos* pos, int64_t n,
   launch(L, values_kernel, grid, dim3(128), 0, d, pos, n, S, cache_kv, nsplit, chunk, hbs, part, ml, ol);
   if (nsplit > 1)
     launch(L, values_reduce_kernel, dim3(unsigned(n * d.H)), dim3(128), 0, d, pos, n, chunk, part, ml, ol);
+}
+
+int mla_decode_splits(const MlaDims& d, int64_t n) {
+  // 64 positions per block where the blocks stay few (at most 512 with the splits: bounded
+  // partials), and no more splits than the combining block's factor table holds.
+  const int64_t blocks = n * ((d.H + 1) / 2), by_len = (d.max_len + 63) / 64;
+  const int64_t s = std::min<int64_t>({by_len, 512 / std::max<int64_t>(blocks, 1), kDecMaxSplits});
+  return int(std::max<int64_t>(1, s));
+}
+
+bool mla_decode_ok(const MlaDims& d, int64_t n, int64_t counters) {
+  static_assert(kDecMaxSplits <= kDecPass, "split factors live in the score buffer");
+  return d.C <= 256 * kDecCols && d.C + d.R <= 32 * kMaxJ && n * ((d.H + 1) / 2) <= counters;
+}
+
+void mla_decode_attn(const Launch& L, const MlaDims& d, const DevPos* pos, int64_t n, const float* qa, const float* q,
+                     const float* cache_kv, const float* cache_pe, int nsplit, float* part, float* ml,
+                     unsigned* counters, float* ol) {
+  constexpr int HB = 2;
+  DSV3_CHECK(nsplit >= 1 && nsplit <= kDecMaxSplits, "mla_decode_attn: ", nsplit, " position splits");
+  const int64_t chunk = (d.max_len + nsplit - 1) / nsplit;
+  const size_t smem = sizeof(float) * size_t(HB) * size_t(d.C + d.R + kDecPass);
+  launch(L, decode_attn_kernel<HB>, dim3(unsigned(n * cdiv(d.H, HB)), 1, unsigned(nsplit)), dim3(256), smem, d, pos, n,
+         qa, q, cache_kv, cache_pe, chunk, part, ml, counters, ol);
 }
 
 void mla_naive_store(const Launch& L, const MlaDims& d, const DevPos* pos, int64_t n, const float* kvb, float* cache_k,
