@@ -233,6 +233,55 @@ TEST(CudaOps, LinearMatchesRef) {
   }
 }
 
+// Two linears on the same activations share one GEMV launch (the first waits for the next op):
+// both outputs match the ref backend; a linear on other activations, an rmsnorm or an add in
+// between each run the waiting one first (its output is read right after).
+TEST(CudaOps, LinearPairMatchesRef) {
+  REQUIRE_GPU();
+  auto ref = make_ref_backend();
+  auto cuda = make_cuda_backend(opts());
+  for (DType t : {DType::BF16, DType::F8_E4M3, DType::F32}) {
+    for (int64_t n : {1, 3, 8}) {
+      const int64_t in = 256;
+      HostLinear h1 = make_linear(t, 300, in, 11), h2 = make_linear(t, 40, in, 12), h3 = make_linear(t, 72, in, 13);
+      const Linear d1 = to_device(*cuda, h1.lin), d2 = to_device(*cuda, h2.lin), d3 = to_device(*cuda, h3.lin);
+      const std::vector<float> x = randn(size_t(n * in), 14), x2 = randn(size_t(n * in), 15);
+      std::vector<float> w1(size_t(n * 300)), w2(size_t(n * 40)), w3(size_t(n * 72));
+      ref->linear(x.data(), n, h1.lin, w1.data());
+      ref->linear(x.data(), n, h2.lin, w2.data());
+      ref->linear(x2.data(), n, h3.lin, w3.data());
+      Dev dx(*cuda, x), dx2(*cuda, x2), y1(*cuda, w1.size()), y2(*cuda, w2.size()), y3(*cuda, w3.size());
+      const double tol = 2e-6;
+      // paired
+      cuda->linear(dx.p, n, d1, y1.p);
+      cuda->linear(dx.p, n, d2, y2.p);
+      EXPECT_LE(rel_l2(y1.get().data(), w1.data(), w1.size()), tol) << dtype_name(t) << " n " << n << " first";
+      EXPECT_LE(rel_l2(y2.get().data(), w2.data(), w2.size()), tol) << dtype_name(t) << " n " << n << " second";
+      // other activations: not paired, both right
+      Dev z1(*cuda, w1.size()), z3(*cuda, w3.size());
+      cuda->linear(dx.p, n, d1, z1.p);
+      cuda->linear(dx2.p, n, d3, z3.p);
+      EXPECT_LE(rel_l2(z1.get().data(), w1.data(), w1.size()), tol) << dtype_name(t) << " n " << n << " unpaired";
+      EXPECT_LE(rel_l2(z3.get().data(), w3.data(), w3.size()), tol) << dtype_name(t) << " n " << n << " other x";
+      // an rmsnorm and an add reading the waiting output
+      std::vector<uint16_t> nb(300);
+      for (int i = 0; i < 300; ++i) nb[size_t(i)] = f32_to_bf16(0.5f + 0.01f * float(i % 7));
+      const TensorView nw{DType::BF16, {300}, nb.data()};
+      const TensorView dnw = to_device(*cuda, nw);
+      std::vector<float> want_n(w1.size()), want_a(w1.size());
+      ref->rmsnorm(w1.data(), n, 300, 300, nw, 1e-6f, want_n.data());
+      for (size_t e = 0; e < w1.size(); ++e) want_a[e] = w1[e] + w1[e];
+      Dev r1(*cuda, w1.size()), r2(*cuda, w1.size()), s1(*cuda, w1.size());
+      cuda->linear(dx.p, n, d1, r1.p);
+      cuda->rmsnorm(r1.p, n, 300, 300, dnw, 1e-6f, r2.p);
+      EXPECT_LE(rel_l2(r2.get().data(), want_n.data(), want_n.size()), 1e-5) << dtype_name(t) << " n " << n << " norm";
+      cuda->linear(dx.p, n, d1, s1.p);
+      cuda->add(s1.p, r1.p, n * 300);
+      EXPECT_LE(rel_l2(s1.get().data(), want_a.data(), want_a.size()), tol) << dtype_name(t) << " n " << n << " add";
+    }
+  }
+}
+
 // act_quant on the GPU: bits and scales identical to the reference's (golden kernels), and to
 // the host twin on random rows with an all-zero block, tiny and saturating values.
 TEST(CudaOps, ActQuantBitExact) {

@@ -52,6 +52,7 @@ CudaOptions CudaOptions::from_env() {
   o.flash = env_flag("DSV3_CUDA_FLASH", o.flash);
   o.fp8_wgmma = env_flag("DSV3_CUDA_FP8_WGMMA", o.fp8_wgmma);
   o.decode_attn = env_flag("DSV3_CUDA_DECODE_ATTN", o.decode_attn);
+  o.pair_gemv = env_flag("DSV3_CUDA_PAIR_GEMV", o.pair_gemv);
   o.progress = env_flag("DSV3_CUDA_PROGRESS", isatty(2) != 0);
   o.profile = env_flag("DSV3_CUDA_PROFILE", o.profile);
   return o;
@@ -401,6 +402,7 @@ class CudaBackend final : public Backend {
   void rmsnorm(const float* x, int64_t n, int64_t d, int64_t stride, const TensorView& w, float eps,
                float* y) override {
     DSV3_CHECK(w.dtype == DType::F32, "norm weight not on the device");
+    flush_linear();
     if (pend_.y && pend_.y == x && stride == d && pend_.n == n * d) {  // the residual add, fused
       if (pend_.from_moe) {
         mark("moe.combine+add+rmsnorm");
@@ -421,6 +423,7 @@ class CudaBackend final : public Backend {
   // Deferred to the next op: fused into rmsnorm when that reads the sum (the layer loop's
   // residual-add-then-norm), launched alone before anything else.
   void add(float* y, const float* x, int64_t n) override {
+    flush_linear();
     if (pmoe_.active && x == pmoe_.y && n == pmoe_.s.n * pmoe_.d && !pend_.y) {
       pend_ = {y, x, n, true};  // y += (the pending MoE output)
       return;
@@ -430,13 +433,36 @@ class CudaBackend final : public Backend {
   }
 
   void linear(const float* x, int64_t n, const Linear& w, float* y) override {
+    const DevLinear dw = dev_linear(w);
+    // Two GEMVs on the same activations (wq and wkv_a at decode) share one launch: the first one
+    // waits in plin_ for the next op.
+    if (plin_.x == x && plin_.n == n && cuda::gemv2_ok(plin_.w, dw, x, n)) {
+      const PendingLinear p = plin_;
+      plin_ = {};
+      flush_add();
+      if (opt_.profile) mark(str("linear pair ", p.w.rows, "+", dw.rows, "x", dw.cols, " ", dtype_name(w.weight.dtype)));
+      cuda::gemv2(L_, p.w, p.y, dw, y, x, n);
+      return;
+    }
     flush_add();
+    if (opt_.pair_gemv && n <= std::min(opt_.gemv_max, 8) && !(use_tc(n) && tc_takes(dw))) {
+      plin_ = {dw, x, n, y};
+      return;
+    }
     if (opt_.profile) mark(str("linear ", w.out(), "x", w.in(), " ", dtype_name(w.weight.dtype)));
     // Attention projections and the head stay float32-grade in fast mode too: their errors
     // reach every later token through the cache (with bf16 activations here as well, the golden
     // cases' max error exceeds the reference's own bf16 row: measured). Fast mode is for the
     // MLPs, experts and the attention core.
-    run_linear(dev_linear(w), x, n, y, w.out(), /*exact=*/true);
+    run_linear(dw, x, n, y, w.out(), /*exact=*/true);
+  }
+  // The linear waiting for a partner, alone.
+  void flush_linear() {
+    if (!plin_.x) return;
+    const PendingLinear p = plin_;
+    plin_ = {};
+    if (opt_.profile) mark(str("linear ", p.w.rows, "x", p.w.cols));
+    run_linear(p.w, p.x, p.n, p.y, p.w.rows, /*exact=*/true);
   }
 
   void mlp(const MLPWeights& w, const float* x, int64_t n, float* y) override {
@@ -663,6 +689,7 @@ class CudaBackend final : public Backend {
 
   // Launches whatever was deferred: the MoE un-permute, then the residual add.
   void flush_add() {
+    flush_linear();
     if (pmoe_.active) {
       mark("moe.combine");
       cuda::moe_combine(L_, pmoe_.s, pmoe_.o, pmoe_.d, pmoe_.y);
@@ -974,6 +1001,12 @@ class CudaBackend final : public Backend {
     int64_t n = 0;
     bool from_moe = false;  // x is the pending MoE output
   } pend_;
+  struct PendingLinear {
+    cuda::DevLinear w;
+    const float* x = nullptr;
+    int64_t n = 0;
+    float* y = nullptr;
+  } plin_;
   struct PendingMoe {
     cuda::MoeSched s;
     const float* o = nullptr;

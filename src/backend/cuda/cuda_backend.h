@@ -20,6 +20,8 @@ struct CudaOptions {
                         // allow; off: cuBLAS scores, a softmax kernel and cuBLAS values (DSV3_CUDA_FLASH=0)
   bool decode_attn = true; // absorbed attention of up to 16 tokens (decode) as one launch; off: scores, values
                            // (and a split reduction) as separate kernels (DSV3_CUDA_DECODE_ATTN=0)
+  bool pair_gemv = true; // two GEMVs on the same activations (wq and wkv_a at decode) in one launch
+                         // (DSV3_CUDA_PAIR_GEMV=0: one launch each)
   int attn_chunk = 512; // queries per chunk of the cuBLAS long-run attention (DSV3_CUDA_ATTN_CHUNK)
   int tc_tm = 64;       // rows per tile of the pipelined kernel: 64 or 128 (DSV3_CUDA_TC_TM)
   int fast_min = 64;    // fast mode only for steps of at least this many tokens (DSV3_CUDA_FAST_MIN)

@@ -75,6 +75,12 @@ struct GemvShift {
 void gemv(const Launch& L, const DevLinear& w, const DevLinear* w3, const float* x, int64_t ldx, const int32_t* idx,
           int64_t m, float* y, int64_t ldy, int batch = 1, GemvShift shift = {});
 
+// Two products of the same m <= 8 activation rows x [m, K] in one launch (the streaming path):
+// y[j * w.rows + r] = x_j · w[r], y2[j * w2.rows + r] = x_j · w2[r]. gemv2_ok: same dtype and K,
+// 16-byte rows and x.
+bool gemv2_ok(const DevLinear& w, const DevLinear& w2, const float* x, int64_t m);
+void gemv2(const Launch& L, const DevLinear& w, float* y, const DevLinear& w2, float* y2, const float* x, int64_t m);
+
 // ---- tensor-core GEMM for many tokens (kernels_gemm.cu)
 // C[i, col + r] = A_i · W[r] for i < M, r < W.rows over K = W.cols, where A_i is
 // a + (idx ? idx[i] : i) * lda, or with silu_pair silu(A_i[k]) * A_i[pair_off + k].

@@ -83,6 +83,11 @@ struct Job {
   float* y;
   int64_t ldy;
   bool vec;
+  // A second weight on the same activations (streaming path, not fused): its row pairs follow
+  // a's, its outputs go to y2. c.rows == 0: none.
+  DevLinear c;
+  float* y2 = nullptr;
+  int64_t ldy2 = 0;
 };
 
 // One warp: rows ra of a and rb of b (rb < 0: none) for all m tokens, NT at a time.
@@ -179,30 +184,50 @@ __device__ void warp_rows(const Job& J, int64_t ra, int64_t rb) {
 template <int NT>
 __host__ __device__ constexpr int pipe_unroll() { return NT == 1 ? 4 : 2; }
 
-template <int WT, int NT>
+template <int WT, int NT, bool TWO = false>  // TWO: a second weight J.c after J.a's row groups
 struct Stream {
   static constexpr int CE = chunk_elems<WT>(), PU = pipe_unroll<NT>();
   const Job& J;
   int64_t nch, nb, ngroups, stride;
   int lane;
+  int64_t g1;  // row groups of a (those of J.c follow)
   __device__ Stream(const Job& j, int64_t first, int64_t stride_) : J(j), stride(stride_), lane(threadIdx.x & 31) {
     nch = J.a.cols / CE;
     nb = (nch + 32 * PU - 1) / (32 * PU);
-    ngroups = J.fused ? J.a.rows : (J.a.rows + 1) / 2;
+    g1 = J.fused ? J.a.rows : (J.a.rows + 1) / 2;
+    ngroups = g1 + (TWO ? (J.c.rows + 1) / 2 : 0);
     (void)first;
   }
-  __device__ void rows_of(int64_t g, int64_t& ra, int64_t& rb) const {
-    if (J.fused) ra = rb = g;
-    else ra = 2 * g, rb = 2 * g + 1 < J.a.rows ? 2 * g + 1 : -1;
+  // The fields of row group g's weight (J.a or J.b; J.c past g1), selected field by field so the
+  // structs stay in parameter space (a reference to one of them would copy both to the stack).
+  struct Src {
+    const void* w;
+    const float* s;
+    int64_t row0, ld, lds, col0, rows;
+  };
+  __device__ Src src(int64_t g, bool b) const {
+    const bool c = TWO && g >= g1;
+    const DevLinear& L = b ? J.b : J.a;
+    return {c ? J.c.w : L.w, c ? J.c.s : L.s, c ? J.c.row0 : L.row0, c ? J.c.ld : L.ld, c ? J.c.lds : L.lds,
+            c ? J.c.col0 : L.col0, c ? J.c.rows : L.rows};
   }
-  __device__ const uint4* row_ptr(const DevLinear& L, int64_t r) const {
+  __device__ void rows_of(int64_t g, int64_t& ra, int64_t& rb) const {
+    if (J.fused) {
+      ra = rb = g;
+    } else {
+      const bool c = TWO && g >= g1;
+      const int64_t r = 2 * (c ? g - g1 : g), rows = c ? J.c.rows : J.a.rows;
+      ra = r, rb = r + 1 < rows ? r + 1 : -1;
+    }
+  }
+  __device__ const uint4* row_ptr(const Src& L, int64_t r) const {
     return reinterpret_cast<const uint4*>(static_cast<const char*>(L.w) + ((L.row0 + r) * L.ld + L.col0) * elem_bytes<WT>());
   }
   __device__ void load(int64_t g, int64_t b, uint4* wa, uint4* wb) const {
     int64_t ra, rb;
     rows_of(g, ra, rb);
-    const uint4* pa = row_ptr(J.a, ra);
-    const uint4* pb = rb >= 0 ? row_ptr(J.b, rb) : pa;
+    const uint4* pa = row_ptr(src(g, false), ra);
+    const uint4* pb = rb >= 0 ? row_ptr(src(g, true), rb) : pa;
 #pragma unroll
     for (int u = 0; u < PU; ++u) {
       const int64_t c = b * 32 * PU + 32 * u + lane;
@@ -216,8 +241,9 @@ struct Stream {
                           float* a1) const {
     int64_t ra, rb;
     rows_of(g, ra, rb);
-    const float* sa = WT == kFP8 ? J.a.s + ((J.a.row0 + ra) >> 7) * J.a.lds : nullptr;
-    const float* sb = WT == kFP8 && rb >= 0 ? J.b.s + ((J.b.row0 + rb) >> 7) * J.b.lds : nullptr;
+    const Src A = src(g, false), B = src(g, true);
+    const float* sa = WT == kFP8 ? A.s + ((A.row0 + ra) >> 7) * A.lds : nullptr;
+    const float* sb = WT == kFP8 && rb >= 0 ? B.s + ((B.row0 + rb) >> 7) * B.lds : nullptr;
 #pragma unroll
     for (int u = 0; u < PU; ++u) {
       const int64_t c = b * 32 * PU + 32 * u + lane;
@@ -225,10 +251,10 @@ struct Stream {
         const int64_t k = c * CE;
         float w[CE];
         decode<WT>(wa[u], w);
-        chunk_dot<WT, NT>(w, WT == kFP8 ? sa[(J.a.col0 + k) >> 7] : 1.f, xr, k, a0);
+        chunk_dot<WT, NT>(w, WT == kFP8 ? sa[(A.col0 + k) >> 7] : 1.f, xr, k, a0);
         if (rb >= 0) {
           decode<WT>(wb[u], w);
-          chunk_dot<WT, NT>(w, WT == kFP8 ? sb[(J.b.col0 + k) >> 7] : 1.f, xr, k, a1);
+          chunk_dot<WT, NT>(w, WT == kFP8 ? sb[(B.col0 + k) >> 7] : 1.f, xr, k, a1);
         }
       }
     }
@@ -242,10 +268,11 @@ struct Stream {
       a1[j] = warp_sum(a1[j]);
     }
     if (lane == 0) {
+      const bool second = TWO && g >= g1;
 #pragma unroll
       for (int j = 0; j < NT; ++j) {
         if (j >= J.m) break;
-        float* yj = J.y + j * J.ldy;
+        float* yj = second ? J.y2 + j * J.ldy2 : J.y + j * J.ldy;
         if (J.fused) {
           yj[ra] = silu(a0[j]) * a1[j];
         } else {
@@ -260,10 +287,10 @@ struct Stream {
 };
 
 // Row groups first, first + stride, ... of one job; calls pdl_wait before reading activations.
-template <int WT, int NT>
+template <int WT, int NT, bool TWO = false>
 __device__ void run_stream(const Job& J, int64_t first, int64_t stride, bool prefetch) {
-  Stream<WT, NT> S(J, first, stride);
-  constexpr int PU = Stream<WT, NT>::PU;
+  Stream<WT, NT, TWO> S(J, first, stride);
+  constexpr int PU = Stream<WT, NT, TWO>::PU;
   if (first >= S.ngroups) {
     pdl_wait();
     return;
@@ -305,21 +332,21 @@ __device__ void run_general(const Job& J, int64_t first, int64_t stride) {
   }
 }
 
-template <int WT, int NT>
+template <int WT, int NT, bool TWO = false>  // TWO: streaming only (gemv2_ok)
 __device__ __forceinline__ void run_job(const Job& J, bool prefetch) {
   const int64_t first = int64_t(blockIdx.x) * kWarps + (threadIdx.x >> 5), stride = int64_t(gridDim.x) * kWarps;
-  if (J.vec && J.m <= NT) run_stream<WT, NT>(J, first, stride, prefetch);
+  if (TWO || (J.vec && J.m <= NT)) run_stream<WT, NT, TWO>(J, first, stride, prefetch);
   else run_general<WT, NT>(J, first, stride);
 }
 
-template <int WT, int NT>
+template <int WT, int NT, bool TWO = false>
 __global__ void __launch_bounds__(kWarps * 32, 2) gemv_kernel(Job J, GemvShift sh) {
   const int64_t b = blockIdx.y;
   J.x += b * sh.xs;
   J.y += b * sh.ys;
   J.a.row0 += b * sh.wrows;
   J.b.row0 += b * sh.wrows;
-  run_job<WT, NT>(J, true);  // waits inside, after its first weight loads
+  run_job<WT, NT, TWO>(J, true);  // waits inside, after its first weight loads
   pdl_trigger();
 }
 
@@ -420,8 +447,11 @@ unsigned gemv_blocks(int64_t groups, int64_t batch, int nt) {
 
 template <int WT, int NT>
 void launch_gemv(const Launch& L, const Job& J, int batch, GemvShift sh) {
-  const int64_t groups = J.fused ? J.a.rows : (J.a.rows + 1) / 2;
-  launch(L, gemv_kernel<WT, NT>, dim3(gemv_blocks(groups, batch, NT), unsigned(batch)), dim3(kWarps * 32), 0, J, sh);
+  const bool two = J.c.rows > 0;
+  const int64_t groups = J.fused ? J.a.rows : (J.a.rows + 1) / 2 + (J.c.rows + 1) / 2;
+  const dim3 grid(gemv_blocks(groups, batch, NT), unsigned(batch));
+  if (two) launch(L, gemv_kernel<WT, NT, true>, grid, dim3(kWarps * 32), 0, J, sh);
+  else launch(L, gemv_kernel<WT, NT>, grid, dim3(kWarps * 32), 0, J, sh);
 }
 
 template <int WT>
@@ -455,6 +485,26 @@ void gemv(const Launch& L, const DevLinear& w, const DevLinear* w3, const float*
     case kFP8: dispatch_nt<kFP8>(L, J, batch, shift); break;
     default: dispatch_nt<kF32>(L, J, batch, shift); break;
   }
+}
+
+void gemv2(const Launch& L, const DevLinear& w, float* y, const DevLinear& w2, float* y2, const float* x, int64_t m) {
+  DSV3_CHECK(gemv2_ok(w, w2, x, m), "gemv2: weights that cannot share one launch");
+  Job J;
+  J.a = J.b = w;
+  J.fused = false;
+  J.x = x, J.ldx = w.cols, J.idx = nullptr, J.m = m, J.y = y, J.ldy = w.rows;
+  J.vec = true;
+  J.c = w2, J.y2 = y2, J.ldy2 = w2.rows;
+  switch (w.t) {
+    case kBF16: dispatch_nt<kBF16>(L, J, 1, GemvShift{}); break;
+    case kFP8: dispatch_nt<kFP8>(L, J, 1, GemvShift{}); break;
+    default: dispatch_nt<kF32>(L, J, 1, GemvShift{}); break;
+  }
+}
+
+bool gemv2_ok(const DevLinear& w, const DevLinear& w2, const float* x, int64_t m) {
+  return m >= 1 && m <= 8 && w.t == w2.t && w.cols == w2.cols && w.cols % 4 == 0 && aligned16(x) && vec_ok(w) &&
+         vec_ok(w2);
 }
 
 void moe_gemv(const Launch& L, int stage, const DevExpert* table, int64_t max_rows, int32_t wtype, const MoeSched& s,
