@@ -15,6 +15,9 @@
 #include <fstream>
 #include <random>
 #include <thread>
+#if defined(__x86_64__)
+#include <xmmintrin.h>
+#endif
 
 #include <nlohmann/json.hpp>
 
@@ -100,10 +103,24 @@ std::vector<float> randn(size_t n, std::mt19937& rng, float sd = 1.f) {
   return v;
 }
 
+// sum_k x[k * sx] w[k * sw] in double, and sum_k |x w| (what the tolerances scale with).
+struct RefDot {
+  double sum = 0, mag = 0;
+};
+RefDot ref_dot(const float* x, int64_t sx, const float* w, int64_t sw, int64_t n) {
+  RefDot d;
+  for (int64_t k = 0; k < n; ++k) {
+    const double p = double(x[k * sx]) * w[k * sw];
+    d.sum += p;
+    d.mag += std::fabs(p);
+  }
+  return d;
+}
+
 // --- e4m3 conversion: every code, exactly -----------------------------------------------------------
-TEST(CpuKernels, EveryE4m3CodeConvertsExactly) {
-  // W[r][c] = code (r * 128 + c) % 256; one-hot activations read single weights back. Scale 2^-8
-  // makes the folded activation scale exactly 1, so y must equal the code's value * 2^-8 exactly.
+// W[r][c] = code (r * 131 + c) % 256; one-hot activations read single weights back. Scale 2^-8
+// makes the folded activation scale exactly 1, so y must equal the code's value * 2^-8 exactly.
+void check_every_e4m3_code(cpu::Isa isa, int64_t M) {
   const int64_t out = 256, in = 128;
   std::vector<uint8_t> w(size_t(out * in));
   for (int64_t i = 0; i < out * in; ++i) {
@@ -112,22 +129,22 @@ TEST(CpuKernels, EveryE4m3CodeConvertsExactly) {
   }
   std::vector<float> s(2, std::ldexp(1.f, -8));
   Linear lin{{DType::F8_E4M3, {out, in}, w.data()}, {DType::F32, {2, 1}, s.data()}};
-  for (cpu::Isa isa : isas()) {
-    const cpu::Kernels& k = cpu::kernels(isa);
-    cpu::Scratch scr;
-    for (int64_t M : {1, 3, 4, 40}) {
-      std::vector<float> x(size_t(M * in), 0.f), y(size_t(M * out));
-      for (int64_t m = 0; m < M; ++m) x[size_t(m * in + (m * 37) % in)] = 1.f;
-      k.matmul(x.data(), M, in, lin, 0, out, y.data(), out, scr);
-      for (int64_t m = 0; m < M; ++m)
-        for (int64_t r = 0; r < out; ++r) {
-          uint8_t b = w[size_t(r * in + (m * 37) % in)];
-          float want = e4m3_to_f32(b) * std::ldexp(1.f, -8);
-          if (std::isnan(want)) continue;
-          ASSERT_EQ(y[size_t(m * out + r)], want) << cpu::isa_name(isa) << " code " << int(b) << " M " << M;
-        }
+  cpu::Scratch scr;
+  std::vector<float> x(size_t(M * in), 0.f), y(size_t(M * out));
+  for (int64_t m = 0; m < M; ++m) x[size_t(m * in + (m * 37) % in)] = 1.f;
+  cpu::kernels(isa).matmul(x.data(), M, in, lin, 0, out, y.data(), out, scr);
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t r = 0; r < out; ++r) {
+      uint8_t b = w[size_t(r * in + (m * 37) % in)];
+      float want = e4m3_to_f32(b) * std::ldexp(1.f, -8);
+      if (std::isnan(want)) continue;
+      ASSERT_EQ(y[size_t(m * out + r)], want) << cpu::isa_name(isa) << " code " << int(b) << " M " << M;
     }
-  }
+}
+
+TEST(CpuKernels, EveryE4m3CodeConvertsExactly) {
+  for (cpu::Isa isa : isas())
+    for (int64_t M : {1, 3, 4, 40}) check_every_e4m3_code(isa, M);
 }
 
 // --- matmul vs the float32 loop -----------------------------------------------------------------------
@@ -143,13 +160,8 @@ void check_matmul(cpu::Isa isa, DType dt, int64_t out, int64_t in, int64_t M, st
   cpu::kernels(isa).matmul(x.data(), M, in, L.lin, r0, nr, y.data(), ldy, scr);
   for (int64_t m = 0; m < M; ++m)
     for (int64_t j = 0; j < nr; ++j) {
-      double want = 0, mag = 0;
-      for (int64_t k = 0; k < in; ++k) {
-        double p = double(x[size_t(m * in + k)]) * L.deq[size_t((r0 + j) * in + k)];
-        want += p;
-        mag += std::fabs(p);
-      }
-      ASSERT_NEAR(y[size_t(m * ldy + j)], want, dot_tol(isa, in, dt) * mag + 1e-30)
+      const RefDot d = ref_dot(&x[size_t(m * in)], 1, &L.deq[size_t((r0 + j) * in)], 1, in);
+      ASSERT_NEAR(y[size_t(m * ldy + j)], d.sum, dot_tol(isa, in, dt) * d.mag + 1e-30)
           << cpu::isa_name(isa) << " " << dtype_name(dt) << " out " << out << " in " << in << " M " << M << " row "
           << r0 + j << " token " << m;
     }
@@ -162,7 +174,7 @@ TEST(CpuKernels, MatmulMatchesFloatLoopOnRaggedShapes) {
   for (cpu::Isa isa : isas())
     for (DType dt : {DType::F8_E4M3, DType::BF16, DType::F32, DType::F16})
       for (auto [out, in] : std::vector<std::pair<int64_t, int64_t>>{{1, 1}, {5, 17}, {33, 64}, {130, 100}, {257, 300}, {64, 129}, {300, 256}})
-        for (int64_t M : {1, 2, 3, 4, 5, 7, 8, 13}) check_matmul(isa, dt, out, in, M, rng);
+        for (int64_t M : {1, 2, 3, 4, 5, 6, 7, 8, 9, 13}) check_matmul(isa, dt, out, in, M, rng);
 }
 
 TEST(CpuKernels, MatmulBatchSizes1To40) {
@@ -175,34 +187,93 @@ TEST(CpuKernels, MatmulBatchSizes1To40) {
 }
 
 // --- transposed product -------------------------------------------------------------------------------
+void check_matmul_t(cpu::Isa isa, OwnedLinear& L, int64_t M, std::mt19937& rng) {
+  const int64_t rows = L.lin.out(), C = L.lin.in();
+  const int64_t d0 = rows > 4 ? int64_t(rng() % uint32_t(rows / 4)) : 0, nd = rows - d0 - (rows > 9 ? 3 : 0);
+  std::vector<float> x = randn(size_t(M * nd), rng);
+  const int64_t ldy = C + 5;
+  std::vector<float> y(size_t(M * ldy), -7.f);
+  cpu::Scratch scr;
+  cpu::kernels(isa).matmul_t(x.data(), M, nd, L.lin, d0, nd, y.data(), ldy, scr);
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t c = 0; c < C; ++c) {
+      const RefDot d = ref_dot(&x[size_t(m * nd)], 1, &L.deq[size_t(d0 * C + c)], C, nd);
+      ASSERT_NEAR(y[size_t(m * ldy + c)], d.sum, dot_tol(isa, nd) * d.mag + 1e-30)
+          << cpu::isa_name(isa) << " " << dtype_name(L.lin.weight.dtype) << " rows " << rows << " C " << C << " M " << M;
+    }
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t c = C; c < ldy; ++c) ASSERT_EQ(y[size_t(m * ldy + c)], -7.f);
+}
+
 TEST(CpuKernels, TransposedMatmulMatchesFloatLoop) {
   std::mt19937 rng(3);
   for (cpu::Isa isa : isas())
-    for (DType dt : {DType::F8_E4M3, DType::BF16, DType::F32})
+    for (DType dt : {DType::F8_E4M3, DType::BF16, DType::F32, DType::F16})
       for (auto [rows, C] : std::vector<std::pair<int64_t, int64_t>>{{8, 16}, {77, 70}, {300, 130}, {256, 512}})
         for (int64_t M : {1, 2, 3, 5, 9, 20}) {
           OwnedLinear L(dt, rows, C, rng);
-          const int64_t d0 = rows > 4 ? int64_t(rng() % uint32_t(rows / 4)) : 0, nd = rows - d0 - (rows > 9 ? 3 : 0);
-          std::vector<float> x = randn(size_t(M * nd), rng);
-          const int64_t ldy = C + 5;
-          std::vector<float> y(size_t(M * ldy), -7.f);
-          cpu::Scratch scr;
-          cpu::kernels(isa).matmul_t(x.data(), M, nd, L.lin, d0, nd, y.data(), ldy, scr);
-          for (int64_t m = 0; m < M; ++m)
-            for (int64_t c = 0; c < C; ++c) {
-              double want = 0, mag = 0;
-              for (int64_t d = 0; d < nd; ++d) {
-                double p = double(x[size_t(m * nd + d)]) * L.deq[size_t((d0 + d) * C + c)];
-                want += p;
-                mag += std::fabs(p);
-              }
-              double tol = dot_tol(isa, nd) * mag + 1e-30;
-              ASSERT_NEAR(y[size_t(m * ldy + c)], want, tol)
-                  << cpu::isa_name(isa) << " " << dtype_name(dt) << " rows " << rows << " C " << C << " M " << M;
-            }
-          for (int64_t m = 0; m < M; ++m)
-            for (int64_t c = C; c < ldy; ++c) ASSERT_EQ(y[size_t(m * ldy + c)], -7.f);
+          check_matmul_t(isa, L, M, rng);
         }
+}
+
+// --- the AVX2 table's e4m3 routes -------------------------------------------------------------------------
+// Its integer route (value * 2^-120, subnormal codes as float32 subnormals; AMD) and its fp16 route
+// are both exact; each is forced in turn on every code, at 1..9 tokens (one-token stream, every
+// register blocking), row lengths off the 32- and 64-weight steps, row ranges off the 128-row
+// blocks, and on blocks whose activation x scale x 2^120 overflows (those must fall back to the
+// fp16 route). Auto selection under MXCSR.DAZ (subnormals read as zero) must stay exact too.
+struct Avx2Route {
+  explicit Avx2Route(int r) { cpu::set_avx2_fp8_route(r); }
+  ~Avx2Route() { cpu::set_avx2_fp8_route(0); }
+};
+
+// L's scales of every other 128-row block multiplied by 2^k (and deq to match).
+void scale_blocks(OwnedLinear& L, int k) {
+  const int64_t in = L.lin.in(), si = (in + 127) / 128;
+  for (size_t j = 0; j < L.s.size(); ++j)
+    if (j / size_t(si) % 2 == 1) L.s[j] = std::ldexp(L.s[j], k);
+  for (size_t i = 0; i < L.deq.size(); ++i)
+    L.deq[i] = e4m3_to_f32(L.w[i]) * L.s[size_t((int64_t(i) / in / 128) * si + (int64_t(i) % in) / 128)];
+}
+
+TEST(CpuKernels, Avx2E4m3RoutesAreExactOnRaggedShapes) {
+  if (!cpu::isa_supported(cpu::Isa::kAvx2)) GTEST_SKIP() << "no AVX2";
+  const cpu::Isa isa = cpu::Isa::kAvx2;
+  std::mt19937 rng(7);
+  for (int route : {1, 2}) {
+    Avx2Route forced(route);
+    for (int64_t M = 1; M <= 9; ++M) check_every_e4m3_code(isa, M);
+    for (auto [out, in] : std::vector<std::pair<int64_t, int64_t>>{{37, 31}, {70, 33}, {129, 95}, {300, 2100}, {260, 256}})
+      for (int64_t M = 1; M <= 9; ++M) check_matmul(isa, DType::F8_E4M3, out, in, M, rng);
+    for (auto [rows, C] : std::vector<std::pair<int64_t, int64_t>>{{77, 70}, {300, 130}, {256, 512}})
+      for (int64_t M : {1, 2}) {
+        OwnedLinear L(DType::F8_E4M3, rows, C, rng);
+        check_matmul_t(isa, L, M, rng);
+        scale_blocks(L, 20);  // scale * 2^120 > FLT_MAX in those blocks
+        check_matmul_t(isa, L, M, rng);
+      }
+  }
+  // Overflow: blocks with scale x 2^120 infinite, or activations large enough that x scale 2^120 is.
+  for (int64_t M : {1, 2, 8}) {
+    OwnedLinear L(DType::F8_E4M3, 300, 400, rng);
+    scale_blocks(L, 20);
+    std::vector<float> x = randn(size_t(M * 400), rng, 1e3f);
+    const int64_t ldy = 300;
+    std::vector<float> y(size_t(M * ldy));
+    cpu::Scratch scr;
+    cpu::kernels(isa).matmul(x.data(), M, 400, L.lin, 0, 300, y.data(), ldy, scr);
+    for (int64_t m = 0; m < M; ++m)
+      for (int64_t j = 0; j < 300; ++j) {
+        const RefDot d = ref_dot(&x[size_t(m * 400)], 1, &L.deq[size_t(j * 400)], 1, 400);
+        ASSERT_NEAR(y[size_t(m * ldy + j)], d.sum, dot_tol(isa, 400) * d.mag) << "M " << M << " row " << j;
+      }
+  }
+#if defined(__x86_64__)
+  const unsigned csr = _mm_getcsr();
+  _mm_setcsr(csr | 0x40);  // DAZ
+  for (int64_t M : {1, 4}) check_every_e4m3_code(isa, M);
+  _mm_setcsr(csr);
+#endif
 }
 
 // --- float32 kernels ------------------------------------------------------------------------------------

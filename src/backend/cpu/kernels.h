@@ -81,6 +81,11 @@ extern const Kernels kAvx2Kernels;
 extern const Kernels kAvx512Kernels;
 extern const Kernels kAmxKernels;
 
+// The AVX2 table's e4m3 -> float32 conversion (kernels_avx2.cc; both are exact and give identical
+// results): 0 picks per CPU (the integer route on AMD), 1 forces the fp16 route, 2 the integer
+// route. For tests.
+void set_avx2_fp8_route(int route);
+
 // Microbenchmarks for `dsv3 bench`: peaks of the arithmetic the cpu backend uses for large matrix
 // products (float32 FMA; AMX bf16 tiles), one thread, FLOP/s, from register-blocked loops of
 // `iters` iterations; and a STREAM-style read of n floats.

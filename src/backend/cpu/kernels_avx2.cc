@@ -1,7 +1,21 @@
-// AVX2 + FMA + F16C kernels (float32 arithmetic throughout): the fallback for CPUs without
-// AVX-512 BF16. Weights are widened to float32 four rows at a time into a small panel that the
-// tokens of a batch share; e4m3 goes through fp16 (exact: byte << 7 with the sign moved is the
-// fp16 of value * 2^-8, subnormals included) and vcvtph2ps.
+// AVX2 + FMA + F16C kernels (float32 arithmetic throughout): the table for CPUs without
+// AVX-512 BF16 (e.g. AMD Zen 2/3, Intel client cores).
+//
+// Few tokens (<= 8, decode): rows are read one after another, so a call's weights are one
+// sequential stream (with software prefetch), and each 32-weight chunk is converted to float32 in
+// registers once and feeds the FMAs of every token; nothing is written back to memory. The FP8
+// block scale (and the power of two of the conversion) is folded into the activations, packed
+// per 128-row block in the lane order the conversion delivers. Two exact e4m3 conversions:
+//  - integer route (AMD): the byte against zero in 16-bit lanes (b << 8), an arithmetic shift by
+//    4 and a mask give the high half of the float32 of value * 2^-120 (subnormal codes become
+//    float32 subnormals, exact), a second unpack makes the float32. No conversion instruction; on
+//    Zen 3 FMAs take subnormal operands at full speed. Needs x * scale * 2^120 to be finite (else
+//    the block falls back to the fp16 route) and MXCSR.DAZ clear.
+//  - fp16 route (elsewhere; Intel cores slow down on subnormal FMA operands): b << 8 shifted right
+//    by one with the sign kept is the fp16 of value * 2^-8, then vcvtph2ps.
+// Both give every product exactly w * fl(x * scale): the results are bit-identical.
+// Many tokens (prefill): weights widened to float32 four rows at a time into a small panel that
+// the tokens share.
 
 // GCC 12 warns about _mm512_undefined_* inside its own intrinsic headers; not our code.
 #pragma GCC diagnostic ignored "-Wuninitialized"
@@ -12,16 +26,26 @@
 #include <immintrin.h>
 
 #include <algorithm>
+#include <atomic>
+#include <cfloat>
 #include <cmath>
 #include <cstring>
+#include <type_traits>
 
+#include "backend/cpu/exp_poly.h"
 #include "backend/cpu/kernels.h"
 #include "core/dtype.h"
 #include "core/error.h"
 
 #define DSV3_AVX2 __attribute__((target("avx2,fma,f16c,bmi,bmi2")))
+#define DSV3_AVX2_INLINE DSV3_AVX2 inline __attribute__((always_inline))
+// Loops over register-array indices must be unrolled, or the arrays live in memory.
+#define DSV3_UNROLL2 _Pragma("GCC unroll 32")
 
 namespace dsv3::cpu {
+
+void softmax_scalar(float* x, int64_t n);
+
 namespace {
 
 inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
@@ -43,6 +67,392 @@ DSV3_AVX2 inline __m256 e4m3x8(const uint8_t* p) {
   __m128i b = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
   __m128i h = _mm_and_si128(_mm_srai_epi16(_mm_slli_epi16(b, 8), 1), _mm_set1_epi16(int16_t(0xBFFF)));
   return _mm256_cvtph_ps(h);
+}
+
+constexpr int64_t kBlock = 128;  // FP8 block size
+inline int64_t round32(int64_t k) { return (k + 31) / 32 * 32; }
+
+// --- weights -> float32 in registers, 32 at a time ---------------------------------------------------
+enum class WT { kFp8, kBf16, kF16, kF32 };
+template <WT T>
+constexpr size_t elem_size() { return T == WT::kFp8 ? 1 : T == WT::kF32 ? 4 : 2; }
+
+// The lane order in which load32 delivers a 32-weight chunk as four vectors of 8 (the activations
+// are packed to match): kNatural: vector q holds k = 8q..8q+7; kStride4 (FP8, integer route):
+// vector q holds k = 4i + q (i < 8); kQuad8 (bf16): vector 2h+j holds 16h+4j..+3 and 16h+8+4j..+3.
+enum class Ord { kNatural, kStride4, kQuad8 };
+template <WT T, bool kInt>
+constexpr Ord order_of() { return T == WT::kFp8 ? (kInt ? Ord::kStride4 : Ord::kNatural) : T == WT::kBf16 ? Ord::kQuad8 : Ord::kNatural; }
+
+// Transposes the 4x4 blocks held in each 128-bit lane of a[0..4).
+DSV3_AVX2_INLINE void transpose4_lanes(const __m256 a[4], __m256 v[4]) {
+  const __m256 u0 = _mm256_unpacklo_ps(a[0], a[1]), u1 = _mm256_unpackhi_ps(a[0], a[1]);
+  const __m256 u2 = _mm256_unpacklo_ps(a[2], a[3]), u3 = _mm256_unpackhi_ps(a[2], a[3]);
+  v[0] = _mm256_shuffle_ps(u0, u2, 0x44), v[1] = _mm256_shuffle_ps(u0, u2, 0xEE);
+  v[2] = _mm256_shuffle_ps(u1, u3, 0x44), v[3] = _mm256_shuffle_ps(u1, u3, 0xEE);
+}
+
+// Natural vectors a[0..4) (k = 8q..) in order O (from_order: back).
+template <Ord O>
+DSV3_AVX2_INLINE void to_order(const __m256 a[4], __m256 v[4]) {
+  if constexpr (O == Ord::kNatural) {
+    for (int q = 0; q < 4; ++q) v[q] = a[q];
+  } else if constexpr (O == Ord::kStride4) {
+    // Rows A_i = k 4i..4i+3: a = [A0 A1] [A2 A3] [A4 A5] [A6 A7]; pair rows i and i + 4 in the
+    // lanes, then transpose each lane's 4x4 block: v_q = column q.
+    const __m256 t[4] = {_mm256_permute2f128_ps(a[0], a[2], 0x20), _mm256_permute2f128_ps(a[0], a[2], 0x31),
+                         _mm256_permute2f128_ps(a[1], a[3], 0x20), _mm256_permute2f128_ps(a[1], a[3], 0x31)};
+    transpose4_lanes(t, v);
+  } else {
+    v[0] = _mm256_permute2f128_ps(a[0], a[1], 0x20), v[1] = _mm256_permute2f128_ps(a[0], a[1], 0x31);
+    v[2] = _mm256_permute2f128_ps(a[2], a[3], 0x20), v[3] = _mm256_permute2f128_ps(a[2], a[3], 0x31);
+  }
+}
+template <Ord O>
+DSV3_AVX2_INLINE void from_order(const __m256 v[4], __m256 a[4]) {
+  if constexpr (O == Ord::kStride4) {
+    __m256 r[4];
+    transpose4_lanes(v, r);  // r_q = [A_q | A_{q+4}]
+    a[0] = _mm256_permute2f128_ps(r[0], r[1], 0x20), a[1] = _mm256_permute2f128_ps(r[2], r[3], 0x20);
+    a[2] = _mm256_permute2f128_ps(r[0], r[1], 0x31), a[3] = _mm256_permute2f128_ps(r[2], r[3], 0x31);
+  } else {
+    to_order<O>(v, a);  // natural and kQuad8 are their own inverses
+  }
+}
+
+// 32 weights at p (a whole chunk) as float32 in order_of<T, kInt>. FP8: value * 2^-120 (integer
+// route) or value * 2^-8 (fp16 route); the caller folds the power of two into the activations.
+template <WT T, bool kInt>
+DSV3_AVX2_INLINE void load32(const char* p, __m256 v[4]) {
+  if constexpr (T == WT::kFp8) {
+    const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+    if constexpr (kInt) {
+      // A 32-bit lane holds bytes b0..b3 (b3 on top). s.eeee.mmm at bits 31..24 shifted right by 4
+      // (arithmetic), & 0x87F00000: s.0000.eeee.mmm.0..., the float32 with exponent field e and
+      // mantissa m: value * 2^-120 (e == 0: a float32 subnormal, m * 2^-129, exact). 16-bit shifts
+      // treat b3 and b1 (the high byte of each half) alike; b1 is then moved up, b2 and b0 are
+      // moved into the high bytes first. No shuffles: the lane order is kStride4.
+      const __m256i mask = _mm256_set1_epi32(int32_t(0x87F00000u));
+      const __m256i t = _mm256_srai_epi16(b, 4), u = _mm256_srai_epi16(_mm256_slli_epi16(b, 8), 4);
+      v[0] = _mm256_castsi256_ps(_mm256_and_si256(_mm256_slli_epi32(u, 16), mask));
+      v[1] = _mm256_castsi256_ps(_mm256_and_si256(_mm256_slli_epi32(t, 16), mask));
+      v[2] = _mm256_castsi256_ps(_mm256_and_si256(u, mask));
+      v[3] = _mm256_castsi256_ps(_mm256_and_si256(t, mask));
+    } else {
+      // Each byte as b << 8 in a 16-bit lane (lo: bytes 0-7 | 16-23, hi: 8-15 | 24-31), shifted
+      // right by one (arithmetic) with bit 14 cleared: the fp16 of value * 2^-8 (exact,
+      // subnormals too).
+      const __m256i z = _mm256_setzero_si256(), mask = _mm256_set1_epi16(int16_t(0xBFFF));
+      const __m256i l = _mm256_and_si256(_mm256_srai_epi16(_mm256_unpacklo_epi8(z, b), 1), mask);
+      const __m256i h = _mm256_and_si256(_mm256_srai_epi16(_mm256_unpackhi_epi8(z, b), 1), mask);
+      v[0] = _mm256_cvtph_ps(_mm256_castsi256_si128(l)), v[1] = _mm256_cvtph_ps(_mm256_castsi256_si128(h));
+      v[2] = _mm256_cvtph_ps(_mm256_extracti128_si256(l, 1)), v[3] = _mm256_cvtph_ps(_mm256_extracti128_si256(h, 1));
+    }
+  } else if constexpr (T == WT::kBf16) {
+    const __m256i z = _mm256_setzero_si256();
+    DSV3_UNROLL2
+    for (int h = 0; h < 2; ++h) {
+      const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32 * h));
+      v[2 * h] = _mm256_castsi256_ps(_mm256_unpacklo_epi16(z, b));
+      v[2 * h + 1] = _mm256_castsi256_ps(_mm256_unpackhi_epi16(z, b));
+    }
+  } else if constexpr (T == WT::kF16) {
+    DSV3_UNROLL2
+    for (int q = 0; q < 4; ++q) v[q] = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16 * q)));
+  } else {
+    DSV3_UNROLL2
+    for (int q = 0; q < 4; ++q) v[q] = _mm256_loadu_ps(reinterpret_cast<const float*>(p) + 8 * q);
+  }
+}
+
+// The last n < 32 weights of a row, zero padded (zero bytes are 0.0 in every format).
+template <WT T, bool kInt>
+DSV3_AVX2_INLINE void load32_tail(const char* p, int64_t n, __m256 v[4]) {
+  alignas(32) char buf[32 * elem_size<T>()] = {};
+  std::memcpy(buf, p, size_t(n) * elem_size<T>());
+  load32<T, kInt>(buf, v);
+}
+
+// The integer e4m3 route: on AMD cores (FMAs take float32 subnormal operands at full speed; Intel
+// cores take a slow assist for them), with MXCSR.DAZ clear. set_avx2_fp8_route forces a route
+// (tests).
+std::atomic<int> g_fp8_route{0};
+bool fp8_int_route() {
+  static const bool amd = [] {
+    __builtin_cpu_init();
+    return __builtin_cpu_is("amd") != 0;
+  }();
+  const int r = g_fp8_route.load(std::memory_order_relaxed);
+  if (r != 0) return r == 2;
+  return amd && (_mm_getcsr() & 0x40) == 0;
+}
+
+// xs[m * ldxs + k] (k < round32(K)) = x[m * ldx + k] * f[k / 128] (f == nullptr: 1), zero padded,
+// each 32-chunk in order O. Returns whether every packed value is finite.
+template <Ord O>
+DSV3_AVX2 bool pack_x(const float* x, int64_t M, int64_t ldx, int64_t K, const float* f, float* xs, int64_t ldxs) {
+  const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff)), big = _mm256_set1_ps(FLT_MAX);
+  __m256 bad = _mm256_setzero_ps();
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t k0 = 0; k0 < K; k0 += 32) {
+      const __m256 fv = _mm256_set1_ps(f ? f[k0 / kBlock] : 1.f);
+      const float* xm = x + m * ldx + k0;
+      __m256 a[4], v[4];
+      DSV3_UNROLL2
+      for (int q = 0; q < 4; ++q) {
+        const int64_t k = k0 + 8 * q;
+        a[q] = _mm256_mul_ps(k + 8 <= K ? _mm256_loadu_ps(xm + 8 * q) : _mm256_maskload_ps(xm + 8 * q, tail_mask8(K - k)), fv);
+        bad = _mm256_or_ps(bad, _mm256_cmp_ps(_mm256_and_ps(a[q], abs_mask), big, _CMP_NLE_UQ));
+      }
+      to_order<O>(a, v);
+      DSV3_UNROLL2
+      for (int q = 0; q < 4; ++q) _mm256_storeu_ps(xs + m * ldxs + k0 + 8 * q, v[q]);
+    }
+  return _mm256_movemask_ps(bad) == 0;
+}
+
+// --- few tokens: rows one after another, each chunk converted once for all M tokens -----------------
+// Software prefetch per 64-byte line: 4 KB ahead into L1 and 32 KB ahead into L2 (more misses in
+// flight than L1's fill buffers allow), the latter only up to `wend`, the end of the call's rows.
+constexpr size_t kNearPrefetch = 4096, kFarPrefetch = 32768;
+
+// Accumulator chains per token: enough independent FMAs to cover their latency.
+template <WT T, int M>
+constexpr int chains() { return M == 1 ? (T == WT::kFp8 ? 8 : 4) : M == 2 ? 4 : M <= 4 ? 2 : 1; }
+
+template <int M, int NA>
+DSV3_AVX2_INLINE void fma_chunk(const __m256 v[4], const float* xs, int64_t ldxs, int c, __m256 (&acc)[M][NA]) {
+  DSV3_UNROLL2
+  for (int m = 0; m < M; ++m)
+    DSV3_UNROLL2
+    for (int q = 0; q < 4; ++q)
+      acc[m][(4 * c + q) % NA] = _mm256_fmadd_ps(v[q], _mm256_loadu_ps(xs + m * ldxs + 8 * q), acc[m][(4 * c + q) % NA]);
+}
+
+// acc[m] += row[k0, k1) . xs[m][k0, k1) for M tokens (k0 a multiple of the step; k1 one too, or K).
+template <WT T, bool kInt, int M, int NA>
+DSV3_AVX2_INLINE void row_span(const char* row, int64_t k0, int64_t k1, int64_t K, const float* xs, int64_t ldxs,
+                               uintptr_t far_end, __m256 (&acc)[M][NA]) {
+  constexpr size_t esz = elem_size<T>();
+  constexpr int64_t kStep = std::max<int64_t>(32, 64 / int64_t(esz));  // elements per iteration (>= one line)
+  const int64_t kfull = k0 + (k1 - k0) / kStep * kStep;
+  int64_t k = k0;
+  for (; k < kfull; k += kStep) {
+    const char* pa = row + size_t(k) * esz;
+    DSV3_UNROLL2
+    for (size_t off = 0; off < size_t(kStep) * esz; off += 64) {
+      _mm_prefetch(pa + kNearPrefetch + off, _MM_HINT_T0);
+      if (reinterpret_cast<uintptr_t>(pa + off) < far_end) _mm_prefetch(pa + kFarPrefetch + off, _MM_HINT_T1);
+    }
+    DSV3_UNROLL2
+    for (int c = 0; c < int(kStep / 32); ++c) {
+      __m256 v[4];
+      load32<T, kInt>(pa + 32 * c * esz, v);
+      fma_chunk<M, NA>(v, xs + k + 32 * c, ldxs, c, acc);
+    }
+  }
+  for (; k < k1; k += 32) {  // whole chunks past the last step, then the ragged end
+    __m256 v[4];
+    if (k + 32 <= K) {
+      load32<T, kInt>(row + size_t(k) * esz, v);
+    } else {
+      load32_tail<T, kInt>(row + size_t(k) * esz, K - k, v);
+    }
+    fma_chunk<M, NA>(v, xs + k, ldxs, 0, acc);
+  }
+}
+
+// y[m * ldy + r] = sum_k W[r][k] xs[m][k] for rows r < nr (row stride ldw elements), M tokens.
+// Rows in memory order; when the M tokens' activations outgrow L1 (several tokens, long rows),
+// groups of 8 rows go through K in segments whose activations stay in L1, partial sums kept
+// between segments (each x load would otherwise come from L2 for every row).
+template <WT T, bool kInt, int M>
+DSV3_AVX2 void rows_direct(const char* w, int64_t ldw, int64_t nr, int64_t K, const float* xs, int64_t ldxs, float* y,
+                           int64_t ldy, const char* wend) {
+  constexpr size_t esz = elem_size<T>();
+  constexpr int64_t kStep = std::max<int64_t>(32, 64 / int64_t(esz));
+  constexpr int NA = chains<T, M>(), kGroup = 8;
+  const int64_t seg = M == 1 || int64_t(M) * K * 4 <= 20480 ? K : std::max<int64_t>(kStep, 16384 / (4 * M) / kStep * kStep);
+  // Far lines only below wend (integers: wend - kFarPrefetch may lie before the weights).
+  const uintptr_t far_end = reinterpret_cast<uintptr_t>(wend) - kFarPrefetch;
+  __m256 part[kGroup][M][NA];
+  for (int64_t r0 = 0; r0 < nr; r0 += kGroup) {
+    const int64_t g = std::min<int64_t>(kGroup, nr - r0);
+    for (int64_t k0 = 0; k0 < K; k0 += seg) {
+      const int64_t k1 = std::min(K, k0 + seg);
+      for (int64_t i = 0; i < g; ++i) {
+        __m256 acc[M][NA];
+        DSV3_UNROLL2
+        for (int m = 0; m < M; ++m)
+          DSV3_UNROLL2
+          for (int a = 0; a < NA; ++a) acc[m][a] = k0 == 0 ? _mm256_setzero_ps() : part[i][m][a];
+        row_span<T, kInt, M, NA>(w + size_t((r0 + i) * ldw) * esz, k0, k1, K, xs, ldxs, far_end, acc);
+        if (k1 < K) {
+          DSV3_UNROLL2
+          for (int m = 0; m < M; ++m)
+            DSV3_UNROLL2
+            for (int a = 0; a < NA; ++a) part[i][m][a] = acc[m][a];
+          continue;
+        }
+        DSV3_UNROLL2
+        for (int m = 0; m < M; ++m) {
+          __m256 s = acc[m][0];
+          DSV3_UNROLL2
+          for (int a = 1; a < NA; ++a) s = _mm256_add_ps(s, acc[m][a]);
+          y[m * ldy + r0 + i] = hsum8(s);
+        }
+      }
+    }
+  }
+}
+
+template <WT T, bool kInt>
+DSV3_AVX2 void rows_direct_m(const char* w, int64_t ldw, int64_t nr, int64_t K, const float* xs, int64_t ldxs, int64_t M,
+                             float* y, int64_t ldy, const char* wend) {
+  switch (M) {
+    case 1: return rows_direct<T, kInt, 1>(w, ldw, nr, K, xs, ldxs, y, ldy, wend);
+    case 2: return rows_direct<T, kInt, 2>(w, ldw, nr, K, xs, ldxs, y, ldy, wend);
+    case 3: return rows_direct<T, kInt, 3>(w, ldw, nr, K, xs, ldxs, y, ldy, wend);
+    case 4: return rows_direct<T, kInt, 4>(w, ldw, nr, K, xs, ldxs, y, ldy, wend);
+    case 5: return rows_direct<T, kInt, 5>(w, ldw, nr, K, xs, ldxs, y, ldy, wend);
+    case 6: return rows_direct<T, kInt, 6>(w, ldw, nr, K, xs, ldxs, y, ldy, wend);
+    case 7: return rows_direct<T, kInt, 7>(w, ldw, nr, K, xs, ldxs, y, ldy, wend);
+    default: return rows_direct<T, kInt, 8>(w, ldw, nr, K, xs, ldxs, y, ldy, wend);
+  }
+}
+
+// The start of a call is not covered by the kernel's look-ahead: its first 4 KB into L1, up to
+// 32 KB into L2.
+DSV3_AVX2 void prefetch_start(const char* p, const char* wend) {
+  const size_t span = std::min(size_t(wend - p), kFarPrefetch);
+  for (size_t off = 0; off < span; off += 64) _mm_prefetch(p + off, off < kNearPrefetch ? _MM_HINT_T0 : _MM_HINT_T1);
+}
+
+template <WT T>
+DSV3_AVX2 void matmul_few(const float* x, int64_t M, int64_t ldx, const Linear& wl, int64_t r0, int64_t nr, float* y,
+                          int64_t ldy, Scratch& s) {
+  constexpr size_t esz = elem_size<T>();
+  const int64_t K = wl.in(), Kp = round32(K);
+  const char* base = static_cast<const char*>(wl.weight.data);
+  const char* wend = base + size_t((r0 + nr) * K) * esz;
+  prefetch_start(base + size_t(r0 * K) * esz, wend);
+  float* xs = s.get<float>(0, size_t(M * Kp));
+  if constexpr (T == WT::kFp8) {
+    const int64_t kb = ceil_div(K, kBlock);
+    const float* sc = wl.scale.as<float>();
+    float* f = s.get<float>(1, size_t(kb));
+    const bool int_route = fp8_int_route();
+    for (int64_t r = r0; r < r0 + nr;) {  // one 128-row scale block at a time
+      const int64_t nb = r / kBlock, re = std::min(r0 + nr, (nb + 1) * kBlock);
+      bool use_int = int_route;
+      if (use_int) {
+        for (int64_t j = 0; j < kb; ++j) f[j] = sc[nb * kb + j] * 0x1p120f;
+        use_int = pack_x<Ord::kStride4>(x, M, ldx, K, f, xs, Kp);  // else x * scale * 2^120 overflows
+      }
+      const char* wr = base + size_t(r * K);
+      if (use_int) {
+        rows_direct_m<T, true>(wr, K, re - r, K, xs, Kp, M, y + (r - r0), ldy, wend);
+      } else {
+        for (int64_t j = 0; j < kb; ++j) f[j] = sc[nb * kb + j] * 256.f;
+        pack_x<Ord::kNatural>(x, M, ldx, K, f, xs, Kp);
+        rows_direct_m<T, false>(wr, K, re - r, K, xs, Kp, M, y + (r - r0), ldy, wend);
+      }
+      r = re;
+    }
+  } else {
+    pack_x<order_of<T, false>()>(x, M, ldx, K, nullptr, xs, Kp);
+    rows_direct_m<T, false>(base + size_t(r0 * K) * esz, K, nr, K, xs, Kp, M, y, ldy, wend);
+  }
+}
+
+// --- transposed product, one token: y[c] = sum_d x[d] W[d0 + d][c] -----------------------------------
+// Passes of 64 columns (8 accumulators), each reading every row's 64-column slice, with the rows
+// kAhead ahead prefetched. xs[cb * ldxs + d]: x[d] times the block scale of (row d0 + d, column
+// block cb) and the conversion's power of two.
+template <WT T, bool kInt>
+DSV3_AVX2 void t_rows1(const char* w, int64_t C, int64_t d0, int64_t nd, const float* xs, int64_t ldxs, float* y) {
+  constexpr size_t esz = elem_size<T>();
+  constexpr int64_t kAhead = 16;
+  constexpr Ord O = order_of<T, kInt>();
+  for (int64_t c0 = 0; c0 < C; c0 += 64) {
+    const int64_t ncol = std::min<int64_t>(64, C - c0);
+    // Both 32-column chunks lie in one 128-column block (one scale; no blocks but FP8).
+    const float* xc = xs + (T == WT::kFp8 ? c0 / kBlock : 0) * ldxs;
+    __m256 acc[8];
+    DSV3_UNROLL2
+    for (int i = 0; i < 8; ++i) acc[i] = _mm256_setzero_ps();
+    for (int64_t d = 0; d < nd; ++d) {
+      const char* row = w + size_t((d0 + d) * C + c0) * esz;
+      for (size_t off = 0; off < 64 * esz; off += 64) _mm_prefetch(row + size_t(kAhead * C) * esz + off, _MM_HINT_T0);
+      DSV3_UNROLL2
+      for (int h = 0; h < 2; ++h) {
+        if (32 * h >= ncol) break;
+        const __m256 b = _mm256_set1_ps(xc[d]);
+        __m256 v[4];
+        if (ncol >= 32 * (h + 1)) {
+          load32<T, kInt>(row + 32 * h * esz, v);
+        } else {
+          load32_tail<T, kInt>(row + 32 * h * esz, ncol - 32 * h, v);
+        }
+        DSV3_UNROLL2
+        for (int q = 0; q < 4; ++q) acc[4 * h + q] = _mm256_fmadd_ps(v[q], b, acc[4 * h + q]);
+      }
+    }
+    alignas(32) float tmp[64];
+    DSV3_UNROLL2
+    for (int h = 0; h < 2; ++h) {
+      __m256 a[4];
+      from_order<O>(acc + 4 * h, a);
+      DSV3_UNROLL2
+      for (int q = 0; q < 4; ++q) _mm256_store_ps(tmp + 32 * h + 8 * q, a[q]);
+    }
+    std::memcpy(y + c0, tmp, size_t(ncol) * 4);
+  }
+}
+
+// out[i] = x[i] * f (i < n); whether every product is finite.
+DSV3_AVX2 bool mul_finite(const float* x, int64_t n, float f, float* out) {
+  const __m256 fv = _mm256_set1_ps(f), abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff)),
+               big = _mm256_set1_ps(FLT_MAX);
+  __m256 bad = _mm256_setzero_ps();
+  for (int64_t i = 0; i < n; i += 8) {
+    const __m256i km = tail_mask8(n - i);
+    const __m256 v = _mm256_mul_ps(_mm256_maskload_ps(x + i, km), fv);
+    bad = _mm256_or_ps(bad, _mm256_cmp_ps(_mm256_and_ps(v, abs_mask), big, _CMP_NLE_UQ));
+    _mm256_maskstore_ps(out + i, km, v);
+  }
+  return _mm256_movemask_ps(bad) == 0;
+}
+
+template <WT T>
+DSV3_AVX2 void matmul_t1(const float* x, const Linear& wl, int64_t d0, int64_t nd, float* y, Scratch& s) {
+  constexpr size_t esz = elem_size<T>();
+  const int64_t C = wl.in(), kb = T == WT::kFp8 ? ceil_div(C, kBlock) : 1;
+  const char* w = static_cast<const char*>(wl.weight.data);
+  for (int64_t d = 0; d < std::min<int64_t>(16, nd); ++d)
+    for (size_t off = 0; off < std::min<size_t>(size_t(C) * esz, 64 * esz); off += 64)
+      _mm_prefetch(w + size_t((d0 + d) * C) * esz + off, _MM_HINT_T0);
+  // xs[cb * nd + d]: x[d] times the block scale of (row d0 + d, column block cb) and the power of two.
+  float* xs = s.get<float>(3, size_t(kb * nd));
+  bool use_int = T == WT::kFp8 && fp8_int_route();
+  for (int pass = 0; pass < 2; ++pass) {
+    const float p2 = use_int ? 0x1p120f : 256.f;
+    bool finite = true;
+    for (int64_t cb = 0; cb < kb; ++cb)
+      for (int64_t d = 0; d < nd;) {  // runs of rows in one 128-row block
+        const int64_t rb = (d0 + d) / kBlock, e = std::min(nd, (rb + 1) * kBlock - d0);
+        const float f = T == WT::kFp8 ? wl.scale.as<float>()[rb * kb + cb] * p2 : 1.f;
+        finite &= mul_finite(x + d, e - d, f, xs + cb * nd + d);
+        d = e;
+      }
+    if (!use_int || finite) break;
+    use_int = false;  // x * scale * 2^120 overflows: the fp16 route
+  }
+  if (use_int) {
+    t_rows1<T, true>(w, C, d0, nd, xs, nd, y);
+  } else {
+    t_rows1<T, false>(w, C, d0, nd, xs, nd, y);
+  }
 }
 
 // Row `row` of w, columns [0, K), as float32 (FP8 with its block scales) into out (K padded to 8
@@ -78,27 +488,37 @@ DSV3_AVX2 void widen_row(const Linear& w, int64_t row, float* out) {
 template <int R, int T>
 DSV3_AVX2 void mk_f32(const float* p, int64_t ldp, const float* x, int64_t ldx, int64_t K, float* y, int64_t ldy) {
   __m256 acc[R][T];
+  DSV3_UNROLL2
   for (int r = 0; r < R; ++r)
+    DSV3_UNROLL2
     for (int t = 0; t < T; ++t) acc[r][t] = _mm256_setzero_ps();
   int64_t k = 0;
   for (; k + 8 <= K; k += 8) {
     __m256 xv[T];
+    DSV3_UNROLL2
     for (int t = 0; t < T; ++t) xv[t] = _mm256_loadu_ps(x + t * ldx + k);
+    DSV3_UNROLL2
     for (int r = 0; r < R; ++r) {
       __m256 wv = _mm256_loadu_ps(p + r * ldp + k);
+      DSV3_UNROLL2
       for (int t = 0; t < T; ++t) acc[r][t] = _mm256_fmadd_ps(wv, xv[t], acc[r][t]);
     }
   }
   if (k < K) {
     const __m256i km = tail_mask8(K - k);
     __m256 xv[T];
+    DSV3_UNROLL2
     for (int t = 0; t < T; ++t) xv[t] = _mm256_maskload_ps(x + t * ldx + k, km);
+    DSV3_UNROLL2
     for (int r = 0; r < R; ++r) {
       __m256 wv = _mm256_loadu_ps(p + r * ldp + k);  // zero padded
+      DSV3_UNROLL2
       for (int t = 0; t < T; ++t) acc[r][t] = _mm256_fmadd_ps(wv, xv[t], acc[r][t]);
     }
   }
+  DSV3_UNROLL2
   for (int t = 0; t < T; ++t)
+    DSV3_UNROLL2
     for (int r = 0; r < R; ++r) y[t * ldy + r] = hsum8(acc[r][t]);
 }
 
@@ -111,8 +531,9 @@ DSV3_AVX2 void mk_f32_tokens(const float* p, int64_t ldp, const float* x, int64_
   if (M - m == 1) mk_f32<R, 1>(p, ldp, x + m * ldx, ldx, K, y + m * ldy, ldy);
 }
 
-DSV3_AVX2 void matmul_avx2(const float* x, int64_t M, int64_t ldx, const Linear& w, int64_t r0, int64_t nr, float* y,
-                           int64_t ldy, Scratch& s) {
+// Many tokens (prefill): four rows widened into the panel, shared by every token.
+DSV3_AVX2 void matmul_panel(const float* x, int64_t M, int64_t ldx, const Linear& w, int64_t r0, int64_t nr, float* y,
+                            int64_t ldy, Scratch& s) {
   const int64_t K = w.in(), ldp = ceil_div(K, 8) * 8;
   float* panel = s.get<float>(0, size_t(4 * ldp));
   for (int64_t r = 0; r < nr; r += 4) {
@@ -126,6 +547,25 @@ DSV3_AVX2 void matmul_avx2(const float* x, int64_t M, int64_t ldx, const Linear&
   }
 }
 
+// f(WT constant) for w's weight dtype.
+template <class F>
+DSV3_AVX2_INLINE void by_dtype(const Linear& w, const char* op, F&& f) {
+  switch (w.weight.dtype) {
+    case DType::F8_E4M3: return f(std::integral_constant<WT, WT::kFp8>{});
+    case DType::BF16: return f(std::integral_constant<WT, WT::kBf16>{});
+    case DType::F16: return f(std::integral_constant<WT, WT::kF16>{});
+    case DType::F32: return f(std::integral_constant<WT, WT::kF32>{});
+    default: fail(op, ": unsupported weight dtype ", dtype_name(w.weight.dtype));
+  }
+}
+
+DSV3_AVX2 void matmul_avx2(const float* x, int64_t M, int64_t ldx, const Linear& w, int64_t r0, int64_t nr, float* y,
+                           int64_t ldy, Scratch& s) {
+  if (M <= 0 || nr <= 0) return;
+  if (M > 8) return matmul_panel(x, M, ldx, w, r0, nr, y, ldy, s);
+  by_dtype(w, "matmul", [&](auto t) DSV3_AVX2 { matmul_few<decltype(t)::value>(x, M, ldx, w, r0, nr, y, ldy, s); });
+}
+
 DSV3_AVX2 void axpy_avx2(float alpha, const float* x, int64_t n, float* y) {
   const __m256 av = _mm256_set1_ps(alpha);
   int64_t i = 0;
@@ -135,6 +575,8 @@ DSV3_AVX2 void axpy_avx2(float alpha, const float* x, int64_t n, float* y) {
 
 DSV3_AVX2 void matmul_t_avx2(const float* x, int64_t M, int64_t ldx, const Linear& w, int64_t d0, int64_t nd, float* y,
                              int64_t ldy, Scratch& s) {
+  if (M <= 0 || nd <= 0) return;
+  if (M == 1) return by_dtype(w, "matmul_t", [&](auto t) DSV3_AVX2 { matmul_t1<decltype(t)::value>(x, w, d0, nd, y, s); });
   const int64_t C = w.in();
   float* row = s.get<float>(0, size_t(ceil_div(C, 8) * 8));
   for (int64_t m = 0; m < M; ++m) std::fill(y + m * ldy, y + m * ldy + C, 0.f);
@@ -177,13 +619,56 @@ DSV3_AVX2 void rmsnorm_avx2(const float* x, int64_t sx, int64_t n, int64_t d, co
   }
 }
 
-void silu_mul_avx2(const float* a, const float* b, int64_t n, float* h) {
-  for (int64_t i = 0; i < n; ++i) h[i] = a[i] / (1.f + std::exp(-a[i])) * b[i];
+// e^x for x in [-87.3, 88.3] (clamped outside): exp_poly.h's reduction and polynomial (as the
+// AVX-512 exp_ps), 2^n built in the exponent field.
+DSV3_AVX2_INLINE __m256 exp256(__m256 x) {
+  x = _mm256_max_ps(_mm256_min_ps(x, _mm256_set1_ps(88.3f)), _mm256_set1_ps(-87.3f));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(kExpLog2e)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(kExpLn2Lo), _mm256_fnmadd_ps(n, _mm256_set1_ps(kExpLn2Hi), x));
+  __m256 p = _mm256_set1_ps(kExpPoly[0]);
+  DSV3_UNROLL2
+  for (int i = 1; i < 5; ++i) p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(kExpPoly[i]));
+  p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.f)));
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+
+DSV3_AVX2 void silu_mul_avx2(const float* a, const float* b, int64_t n, float* h) {
+  const __m256 one = _mm256_set1_ps(1.f);
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m256 av = _mm256_loadu_ps(a + i);
+    const __m256 sg = _mm256_div_ps(av, _mm256_add_ps(one, exp256(_mm256_sub_ps(_mm256_setzero_ps(), av))));
+    _mm256_storeu_ps(h + i, _mm256_mul_ps(sg, _mm256_loadu_ps(b + i)));
+  }
+  for (; i < n; ++i) h[i] = a[i] / (1.f + std::exp(-a[i])) * b[i];
+}
+
+DSV3_AVX2 void softmax_avx2(float* x, int64_t n) {
+  if (n < 8) return softmax_scalar(x, n);
+  __m256 mx = _mm256_set1_ps(-INFINITY);
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) mx = _mm256_max_ps(mx, _mm256_loadu_ps(x + i));
+  __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
+  m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+  m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+  float m = _mm_cvtss_f32(m4);
+  for (; i < n; ++i) m = std::max(m, x[i]);
+  const __m256 mv = _mm256_set1_ps(m);
+  __m256 sum = _mm256_setzero_ps();
+  for (i = 0; i + 8 <= n; i += 8) {
+    const __m256 e = exp256(_mm256_sub_ps(_mm256_loadu_ps(x + i), mv));
+    sum = _mm256_add_ps(sum, e);
+    _mm256_storeu_ps(x + i, e);
+  }
+  float s = hsum8(sum);
+  for (; i < n; ++i) s += (x[i] = std::exp(x[i] - m));
+  const __m256 inv = _mm256_set1_ps(1.f / s);
+  for (i = 0; i + 8 <= n; i += 8) _mm256_storeu_ps(x + i, _mm256_mul_ps(_mm256_loadu_ps(x + i), inv));
+  for (; i < n; ++i) x[i] *= 1.f / s;
 }
 
 }  // namespace
-
-void softmax_scalar(float* x, int64_t n);
 
 DSV3_AVX2 double fma_peak_avx2(long iters) {
   __m256 acc[12];
@@ -213,7 +698,9 @@ DSV3_AVX2 float read_sum_avx2(const float* p, int64_t n) {
   return s;
 }
 
+void set_avx2_fp8_route(int route) { g_fp8_route.store(route, std::memory_order_relaxed); }
+
 const Kernels kAvx2Kernels = {Isa::kAvx2,   matmul_avx2,   matmul_t_avx2, gemm_nt_f32_avx2, gemm_nn_acc_f32_avx2,
-                              rmsnorm_avx2, silu_mul_avx2, axpy_avx2,     softmax_scalar};
+                              rmsnorm_avx2, silu_mul_avx2, axpy_avx2,     softmax_avx2};
 
 }  // namespace dsv3::cpu

@@ -7,6 +7,8 @@
 
 #include <cstdint>
 
+#include "backend/cpu/exp_poly.h"
+
 #define DSV3_AVX512                                                                                  \
   __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,avx512vbmi,gfni,fma,f16c,bmi,bmi2," \
                         "lzcnt,popcnt")))
@@ -165,17 +167,14 @@ DSV3_AVX512_INLINE float hsum(__m512 a) { return _mm512_reduce_add_ps(a); }
 // exp(x) for float32 lanes: 2^n * p(r), r = x - n ln2 in [-ln2/2, ln2/2], degree-6 polynomial
 // (relative error ~2e-7); x < -87.3 gives 0, x > 88.7 gives inf.
 DSV3_AVX512_INLINE __m512 exp_ps(__m512 x) {
-  const __m512 log2e = _mm512_set1_ps(1.44269504088896341f);
-  const __m512 ln2_hi = _mm512_set1_ps(0.693359375f), ln2_lo = _mm512_set1_ps(-2.12194440e-4f);
+  const __m512 log2e = _mm512_set1_ps(kExpLog2e);
+  const __m512 ln2_hi = _mm512_set1_ps(kExpLn2Hi), ln2_lo = _mm512_set1_ps(kExpLn2Lo);
   x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(88.7f)), _mm512_set1_ps(-87.4f));
   __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, log2e), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, ln2_hi, x);
-  r = _mm512_fnmadd_ps(n, ln2_lo, r);
-  __m512 p = _mm512_set1_ps(1.3981999507e-3f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  __m512 r = _mm512_fnmadd_ps(n, ln2_lo, _mm512_fnmadd_ps(n, ln2_hi, x));
+  __m512 p = _mm512_set1_ps(kExpPoly[0]);
+  DSV3_UNROLL
+  for (int i = 1; i < 5; ++i) p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(kExpPoly[i]));
   p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.f)));
   return _mm512_scalef_ps(p, n);
 }
