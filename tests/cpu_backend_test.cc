@@ -186,6 +186,19 @@ TEST(CpuKernels, MatmulBatchSizes1To40) {
   for (cpu::Isa isa : isas()) check_matmul(isa, DType::F8_E4M3, 40, 2100, 70, rng);
 }
 
+// Beyond 8 tokens the AVX2 table runs a blocked product (16-row panels, 6-token register tiles,
+// K blocks of 256, row blocks of 128, token blocks of 120): token counts off the tile, K off the
+// K block and off 8, row ranges off the 16-row group and across row blocks, every weight dtype.
+TEST(CpuKernels, ManyTokenMatmulOnRaggedBlocks) {
+  std::mt19937 rng(7);
+  for (cpu::Isa isa : isas())
+    for (DType dt : {DType::F8_E4M3, DType::BF16, DType::F32, DType::F16})
+      for (auto [out, in] : std::vector<std::pair<int64_t, int64_t>>{{150, 300}, {37, 517}, {290, 260}})
+        for (int64_t M : {9, 10, 12, 13, 17, 23, 48, 61, 70}) check_matmul(isa, dt, out, in, M, rng);
+  // Across token blocks.
+  for (cpu::Isa isa : isas()) check_matmul(isa, DType::F8_E4M3, 45, 300, 251, rng);
+}
+
 // --- transposed product -------------------------------------------------------------------------------
 void check_matmul_t(cpu::Isa isa, OwnedLinear& L, int64_t M, std::mt19937& rng) {
   const int64_t rows = L.lin.out(), C = L.lin.in();
@@ -210,7 +223,7 @@ TEST(CpuKernels, TransposedMatmulMatchesFloatLoop) {
   for (cpu::Isa isa : isas())
     for (DType dt : {DType::F8_E4M3, DType::BF16, DType::F32, DType::F16})
       for (auto [rows, C] : std::vector<std::pair<int64_t, int64_t>>{{8, 16}, {77, 70}, {300, 130}, {256, 512}})
-        for (int64_t M : {1, 2, 3, 5, 9, 20}) {
+        for (int64_t M : {1, 2, 3, 5, 9, 20, 47}) {
           OwnedLinear L(dt, rows, C, rng);
           check_matmul_t(isa, L, M, rng);
         }
@@ -254,7 +267,7 @@ TEST(CpuKernels, Avx2E4m3RoutesAreExactOnRaggedShapes) {
       }
   }
   // Overflow: blocks with scale x 2^120 infinite, or activations large enough that x scale 2^120 is.
-  for (int64_t M : {1, 2, 8}) {
+  for (int64_t M : {1, 2, 8, 12}) {
     OwnedLinear L(DType::F8_E4M3, 300, 400, rng);
     scale_blocks(L, 20);
     std::vector<float> x = randn(size_t(M * 400), rng, 1e3f);
@@ -271,7 +284,7 @@ TEST(CpuKernels, Avx2E4m3RoutesAreExactOnRaggedShapes) {
 #if defined(__x86_64__)
   const unsigned csr = _mm_getcsr();
   _mm_setcsr(csr | 0x40);  // DAZ
-  for (int64_t M : {1, 4}) check_every_e4m3_code(isa, M);
+  for (int64_t M : {1, 4, 12}) check_every_e4m3_code(isa, M);
   _mm_setcsr(csr);
 #endif
 }
@@ -281,7 +294,7 @@ TEST(CpuKernels, Float32KernelsMatchLoops) {
   std::mt19937 rng(4);
   for (cpu::Isa isa : isas()) {
     const cpu::Kernels& k = cpu::kernels(isa);
-    for (auto [M, N, K] : std::vector<std::array<int64_t, 3>>{{1, 1, 1}, {3, 5, 17}, {16, 33, 576}, {9, 130, 100}}) {
+    for (auto [M, N, K] : std::vector<std::array<int64_t, 3>>{{1, 1, 1}, {3, 5, 17}, {16, 33, 576}, {9, 130, 100}, {20, 300, 270}, {140, 7, 40}}) {
       std::vector<float> a = randn(size_t(M * (K + 2)), rng), b = randn(size_t(N * (K + 1)), rng);
       std::vector<float> c(size_t(M * (N + 1)), -7.f);
       k.gemm_nt_f32(a.data(), K + 2, b.data(), K + 1, M, N, K, 0.5f, c.data(), N + 1);

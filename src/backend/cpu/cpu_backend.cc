@@ -385,9 +385,10 @@ class CpuBackend final : public Backend {
       guided(out, 16, [&](int64_t r0, int64_t r1, int t) { k.matmul(x, n, in, w, r0, r1 - r0, y + r0, out, scratch(t)); });
       return;
     }
+    // Compute-bound: row tiles in guided chunks (the threads' speeds differ on shared cores).
     const int threads = pool_.size();
     const int64_t tile = row_tile(out, threads), items = (out + tile - 1) / tile;
-    par(items, [&](int64_t b, int64_t e, int t) {
+    guided(items, 1, [&](int64_t b, int64_t e, int t) {
       Scratch& s = scratch(t);
       const int64_t r0 = b * tile, r1 = std::min(out, e * tile);
       k.matmul(x, n, in, w, r0, r1 - r0, y + r0, out, s);
@@ -403,11 +404,12 @@ class CpuBackend final : public Backend {
     float* hbuf = hidden_.get(size_t(hsize));
     items_.clear();
     const int threads = pool_.size();
-    // Work items of ~1/4 of a thread's share (at least 128 rows, at most a whole expert): few, long
-    // calls stream weights best (each call starts cold), and a thread's items are contiguous.
-    int64_t total_rows = 0;
-    for (int j = 0; j < njobs; ++j) total_rows += jobs_[size_t(j)].inter;
-    const int64_t target = std::max<int64_t>(128, (total_rows / (4 * threads) + 127) / 128 * 128);
+    // Beyond 8 tokens (compute-bound; experts of unequal token counts): 128-row items, taken in
+    // guided chunks. (At decode the jobs' rows form one row space instead: below.)
+    constexpr int64_t target = 128;
+    int64_t max_m = 0;
+    for (int j = 0; j < njobs; ++j) max_m = std::max<int64_t>(max_m, int64_t(jobs_[size_t(j)].rows.size()));
+    const bool few = max_m <= kFewTokens;
     for (int j = 0; j < njobs; ++j) {
       ExpertJob& job = jobs_[size_t(j)];
       job.h = hbuf;
@@ -422,9 +424,6 @@ class CpuBackend final : public Backend {
         down_bytes += linear_bytes(jobs_[size_t(j)].w->w2);
       }
     std::optional<OpTimer> ph(std::in_place, prof_, (std::string(op) + ".up").c_str(), n, up_bytes);
-    int64_t max_m = 0;
-    for (int j = 0; j < njobs; ++j) max_m = std::max<int64_t>(max_m, int64_t(jobs_[size_t(j)].rows.size()));
-    const bool few = max_m <= kFewTokens;
     // One tile of the up step: rows [r0, r0 + nr) of w1 and w3 of one job, and the activation.
     auto up_tile = [&](const ExpertJob& job, int64_t r0, int64_t nr, Scratch& s) {
       const int64_t m = int64_t(job.rows.size());
@@ -450,7 +449,7 @@ class CpuBackend final : public Backend {
         }
       });
     } else {
-      par(int64_t(items_.size()), [&](int64_t b, int64_t e, int t) {
+      guided(int64_t(items_.size()), 1, [&](int64_t b, int64_t e, int t) {
         Scratch& s = scratch(t);
         for (int64_t it = b; it < e; ++it) {
           const TileItem& ti = items_[size_t(it)];
@@ -477,7 +476,7 @@ class CpuBackend final : public Backend {
       return;
     }
     const int64_t tile = row_tile(D, threads), items = (D + tile - 1) / tile;
-    par(items, [&](int64_t b, int64_t e, int t) { down_rows(b * tile, std::min(D, e * tile), scratch(t)); });
+    guided(items, 1, [&](int64_t b, int64_t e, int t) { down_rows(b * tile, std::min(D, e * tile), scratch(t)); });
   }
 
   void mla_absorb(const ModelArgs& a, const AttnWeights& w, const RopeTable& rope, const TokenPos* tp, int64_t n,
@@ -517,9 +516,11 @@ class CpuBackend final : public Backend {
     while (G % 2 == 0 && n * (H / G) < 2 * threads) G /= 2;
     const int64_t groups = H / G;
     std::memset(ol, 0, size_t(n * H * C) * 4);
-    par(n * groups, [&](int64_t b, int64_t e, int t) {
+    // Guided chunks, the last tokens (longest contexts) first: the work grows with the position.
+    guided(n * groups, 1, [&](int64_t b, int64_t e, int t) {
       Scratch& s = scratch(t);
-      for (int64_t it = b; it < e; ++it) {
+      for (int64_t it0 = b; it0 < e; ++it0) {
+        const int64_t it = n * groups - 1 - it0;
         const int64_t i = it / groups, h0 = (it % groups) * G, len = tp[i].pos + 1;
         const float* kvc = cache.kv + int64_t(tp[i].slot) * max_len * C;
         const float* pec = cache.pe + int64_t(tp[i].slot) * max_len * R;

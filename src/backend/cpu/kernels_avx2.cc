@@ -14,8 +14,8 @@
 //  - fp16 route (elsewhere; Intel cores slow down on subnormal FMA operands): b << 8 shifted right
 //    by one with the sign kept is the fp16 of value * 2^-8, then vcvtph2ps.
 // Both give every product exactly w * fl(x * scale): the results are bit-identical.
-// Many tokens (prefill): weights widened to float32 four rows at a time into a small panel that
-// the tokens share.
+// Many tokens (prefill): a blocked float32 GEMM; blocks of weights widened once per call into
+// 16-row panels that all the tokens share (gemm_blocked).
 
 // GCC 12 warns about _mm512_undefined_* inside its own intrinsic headers; not our code.
 #pragma GCC diagnostic ignored "-Wuninitialized"
@@ -484,67 +484,216 @@ DSV3_AVX2 void widen_row(const Linear& w, int64_t row, float* out) {
   for (int64_t k = K; k < ceil_div(K, 8) * 8; ++k) out[k] = 0.f;
 }
 
-// R panel rows (stride ldp, K8 padded floats) x T tokens of x (stride ldx, K valid).
-template <int R, int T>
-DSV3_AVX2 void mk_f32(const float* p, int64_t ldp, const float* x, int64_t ldx, int64_t K, float* y, int64_t ldy) {
-  __m256 acc[R][T];
+// --- many tokens (prefill): a blocked float32 GEMM ---------------------------------------------------
+// y(m, j) = sum_k x[m * ldx + k] A(k, j) (m < M, j < N, k < K). A is packed per (column block of
+// kNC, K block of kKC) into 16-column panels, panel g at p + g * 16 * kcp (kcp = kc rounded up to
+// 8), element (k, j) at k * 16 + j - 16 g, columns past the block zero: weights are converted once
+// per block and reused by every token; the block (<= 128 KB) stays in L2. The tokens go in blocks
+// of kMC whose activations are copied (rows of kc floats: no 4 KB aliasing between tokens) and
+// stay in L2; each 16 x kc panel (16 KB) stays in L1 while the register tile (16 columns x 6
+// tokens: 12 accumulators, 2 panel loads and 6 broadcasts per 12 FMAs) runs over the block's
+// tokens. Partial sums over K blocks go through y.
+constexpr int kTileTokens = 6;
+constexpr int64_t kKC = 256, kNC = 128, kMC = 120;  // kKC: a multiple of the FP8 block
+inline int64_t round8(int64_t k) { return (k + 7) / 8 * 8; }
+
+// Output element (m, j): y[m * ldy + j], or y[j * ldy + m] (transposed).
+struct Out {
+  float* y;
+  int64_t ldy;
+  bool transposed, add;  // add: y += the product (else y =)
+  float alpha;           // y = alpha * product (not with add)
+};
+
+// NT tokens x 16 columns over kc: x rows at xb + t * ldxb, the panel a; nj (<= 16) valid columns.
+// add: add y's partial sums; alpha: scale the total (1 for a partial block).
+template <int NT>
+DSV3_AVX2 void tile16(const float* a, const float* xb, int64_t ldxb, int64_t kc, float* y, int64_t ldy, bool transposed,
+                      int64_t nj, bool add, float alpha) {
+  __m256 acc[NT][2];
   DSV3_UNROLL2
-  for (int r = 0; r < R; ++r)
+  for (int t = 0; t < NT; ++t) acc[t][0] = acc[t][1] = _mm256_setzero_ps();
+  _Pragma("GCC unroll 4")
+  for (int64_t k = 0; k < kc; ++k) {
+    const __m256 a0 = _mm256_load_ps(a + 16 * k), a1 = _mm256_load_ps(a + 16 * k + 8);
     DSV3_UNROLL2
-    for (int t = 0; t < T; ++t) acc[r][t] = _mm256_setzero_ps();
-  int64_t k = 0;
-  for (; k + 8 <= K; k += 8) {
-    __m256 xv[T];
-    DSV3_UNROLL2
-    for (int t = 0; t < T; ++t) xv[t] = _mm256_loadu_ps(x + t * ldx + k);
-    DSV3_UNROLL2
-    for (int r = 0; r < R; ++r) {
-      __m256 wv = _mm256_loadu_ps(p + r * ldp + k);
-      DSV3_UNROLL2
-      for (int t = 0; t < T; ++t) acc[r][t] = _mm256_fmadd_ps(wv, xv[t], acc[r][t]);
+    for (int t = 0; t < NT; ++t) {
+      const __m256 b = _mm256_broadcast_ss(xb + t * ldxb + k);
+      acc[t][0] = _mm256_fmadd_ps(a0, b, acc[t][0]);
+      acc[t][1] = _mm256_fmadd_ps(a1, b, acc[t][1]);
     }
   }
-  if (k < K) {
-    const __m256i km = tail_mask8(K - k);
-    __m256 xv[T];
+  const __m256 al = _mm256_set1_ps(alpha);
+  if (transposed) {
+    alignas(32) float tmp[NT][16];
     DSV3_UNROLL2
-    for (int t = 0; t < T; ++t) xv[t] = _mm256_maskload_ps(x + t * ldx + k, km);
-    DSV3_UNROLL2
-    for (int r = 0; r < R; ++r) {
-      __m256 wv = _mm256_loadu_ps(p + r * ldp + k);  // zero padded
-      DSV3_UNROLL2
-      for (int t = 0; t < T; ++t) acc[r][t] = _mm256_fmadd_ps(wv, xv[t], acc[r][t]);
-    }
+    for (int t = 0; t < NT; ++t) _mm256_store_ps(tmp[t], acc[t][0]), _mm256_store_ps(tmp[t] + 8, acc[t][1]);
+    for (int64_t j = 0; j < nj; ++j)
+      for (int t = 0; t < NT; ++t) y[j * ldy + t] = ((add ? y[j * ldy + t] : 0.f) + tmp[t][j]) * alpha;
+    return;
   }
+  const __m256i m0 = tail_mask8(nj), m1 = tail_mask8(nj - 8);
   DSV3_UNROLL2
-  for (int t = 0; t < T; ++t)
+  for (int t = 0; t < NT; ++t)
     DSV3_UNROLL2
-    for (int r = 0; r < R; ++r) y[t * ldy + r] = hsum8(acc[r][t]);
+    for (int h = 0; h < 2; ++h) {
+      float* yp = y + t * ldy + 8 * h;
+      __m256 c = acc[t][h];
+      if (nj >= 16) {
+        if (add) c = _mm256_add_ps(c, _mm256_loadu_ps(yp));
+        _mm256_storeu_ps(yp, _mm256_mul_ps(c, al));
+      } else {
+        const __m256i mk = h ? m1 : m0;
+        if (add) c = _mm256_add_ps(c, _mm256_maskload_ps(yp, mk));
+        _mm256_maskstore_ps(yp, mk, _mm256_mul_ps(c, al));
+      }
+    }
 }
 
-template <int R>
-DSV3_AVX2 void mk_f32_tokens(const float* p, int64_t ldp, const float* x, int64_t ldx, int64_t M, int64_t K, float* y,
-                             int64_t ldy) {
-  int64_t m = 0;
-  for (; m + 3 <= M; m += 3) mk_f32<R, 3>(p, ldp, x + m * ldx, ldx, K, y + m * ldy, ldy);
-  if (M - m == 2) mk_f32<R, 2>(p, ldp, x + m * ldx, ldx, K, y + m * ldy, ldy);
-  if (M - m == 1) mk_f32<R, 1>(p, ldp, x + m * ldx, ldx, K, y + m * ldy, ldy);
-}
-
-// Many tokens (prefill): four rows widened into the panel, shared by every token.
-DSV3_AVX2 void matmul_panel(const float* x, int64_t M, int64_t ldx, const Linear& w, int64_t r0, int64_t nr, float* y,
-                            int64_t ldy, Scratch& s) {
-  const int64_t K = w.in(), ldp = ceil_div(K, 8) * 8;
-  float* panel = s.get<float>(0, size_t(4 * ldp));
-  for (int64_t r = 0; r < nr; r += 4) {
-    const int64_t np = std::min<int64_t>(4, nr - r);
-    for (int64_t q = 0; q < np; ++q) widen_row(w, r0 + r + q, panel + q * ldp);
-    if (np == 4) {
-      mk_f32_tokens<4>(panel, ldp, x, ldx, M, K, y + r, ldy);
-    } else {
-      for (int64_t q = 0; q < np; ++q) mk_f32_tokens<1>(panel + q * ldp, ldp, x, ldx, M, K, y + r + q, ldy);
+// pack(j0, nj, k0, kc, panel) writes A's block (columns [j0, j0 + nj), k in [k0, k0 + kc)).
+template <class Pack>
+DSV3_AVX2 void gemm_blocked(const float* x, int64_t M, int64_t ldx, int64_t K, int64_t N, Pack&& pack, const Out& o,
+                            Scratch& s) {
+  const int64_t kcmax = std::min(kKC, K);
+  float* panel = s.get<float>(0, size_t(kNC * round8(kcmax)));
+  float* xb = s.get<float>(1, size_t(std::min(M, kMC) * kcmax));
+  for (int64_t j0 = 0; j0 < N; j0 += kNC) {
+    const int64_t nj = std::min(kNC, N - j0);
+    for (int64_t k0 = 0; k0 < K; k0 += kKC) {
+      const int64_t kc = std::min(kKC, K - k0), kcp = round8(kc);
+      const bool add = o.add || k0 > 0;
+      const float alpha = k0 + kc >= K ? o.alpha : 1.f;
+      pack(j0, nj, k0, kc, panel);
+      for (int64_t mc = 0; mc < M; mc += kMC) {
+        const int64_t mn = std::min(kMC, M - mc);
+        for (int64_t m = 0; m < mn; ++m) std::memcpy(xb + m * kc, x + (mc + m) * ldx + k0, size_t(kc) * 4);
+        for (int64_t g = 0; 16 * g < nj; ++g) {
+          const float* a = panel + g * 16 * kcp;
+          const int64_t jn = std::min<int64_t>(16, nj - 16 * g);
+          for (int64_t m = 0; m < mn; m += kTileTokens) {
+            const int64_t mm = mc + m, jj = j0 + 16 * g;
+            float* yt = o.transposed ? o.y + jj * o.ldy + mm : o.y + mm * o.ldy + jj;
+            const float* xt = xb + m * kc;
+            switch (std::min<int64_t>(kTileTokens, mn - m)) {
+              case 1: tile16<1>(a, xt, kc, kc, yt, o.ldy, o.transposed, jn, add, alpha); break;
+              case 2: tile16<2>(a, xt, kc, kc, yt, o.ldy, o.transposed, jn, add, alpha); break;
+              case 3: tile16<3>(a, xt, kc, kc, yt, o.ldy, o.transposed, jn, add, alpha); break;
+              case 4: tile16<4>(a, xt, kc, kc, yt, o.ldy, o.transposed, jn, add, alpha); break;
+              case 5: tile16<5>(a, xt, kc, kc, yt, o.ldy, o.transposed, jn, add, alpha); break;
+              default: tile16<6>(a, xt, kc, kc, yt, o.ldy, o.transposed, jn, add, alpha); break;
+            }
+          }
+        }
+      }
     }
   }
+}
+
+// Weights as A's source: element (r, c) at base + (r * ld + c) * esz, FP8 with the 128x128 block
+// scales sc[(r / 128) * kb + c / 128].
+// `len`: the rows' length (pack_rows prefetches a row's next K block while it packs this one).
+struct WSrc {
+  const char* base;
+  int64_t ld, len;
+  const float* sc = nullptr;
+  int64_t kb = 0;
+};
+
+// n (1..8) weights at p as float32, times f (FP8: f includes the conversion's 2^8); zero padded.
+template <WT T>
+DSV3_AVX2_INLINE __m256 widen8(const char* p, int64_t n, float f) {
+  constexpr size_t esz = elem_size<T>();
+  alignas(32) char buf[8 * esz];
+  if (n < 8) {
+    std::memset(buf, 0, sizeof buf);
+    std::memcpy(buf, p, size_t(n) * esz);
+    p = buf;
+  }
+  if constexpr (T == WT::kFp8) {
+    return _mm256_mul_ps(e4m3x8(reinterpret_cast<const uint8_t*>(p)), _mm256_set1_ps(f));
+  } else if constexpr (T == WT::kBf16) {
+    const __m256i v = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
+  } else if constexpr (T == WT::kF16) {
+    return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  } else {
+    return _mm256_loadu_ps(reinterpret_cast<const float*>(p));
+  }
+}
+
+template <WT T>
+DSV3_AVX2_INLINE float wscale(const WSrc& w, int64_t r, int64_t c) {
+  if constexpr (T == WT::kFp8) return w.sc[(r / kBlock) * w.kb + c / kBlock] * 256.f;
+  return 1.f;
+}
+
+// A(k, j) = W(r0 + j, k) (A's columns are weight rows): 8 k x 16 rows converted and transposed
+// (two 8x8 transposes) into the panel.
+template <WT T>
+DSV3_AVX2 void pack_rows(const WSrc& w, int64_t r0, int64_t j0, int64_t nj, int64_t k0, int64_t kc, float* panel) {
+  constexpr size_t esz = elem_size<T>();
+  const int64_t kcp = round8(kc), kn = std::min(kc, w.len - (k0 + kc));
+  for (int64_t j = 0; j < nj && kn > 0; ++j)  // the weights come from memory, 16 rows at a time
+    for (int64_t off = 0; off < kn * int64_t(esz); off += 64)
+      _mm_prefetch(w.base + size_t((r0 + j0 + j) * w.ld + k0 + kc) * esz + off, _MM_HINT_T1);
+  for (int64_t g = 0; 16 * g < nj; ++g)
+    for (int64_t kk = 0; kk < kc; kk += 8) {
+      const int64_t n = std::min<int64_t>(8, kc - kk), k = k0 + kk;
+      __m256 v[16], t[16];
+      DSV3_UNROLL2
+      for (int i = 0; i < 16; ++i) {
+        const int64_t j = 16 * g + i, r = r0 + j0 + j;
+        v[i] = j < nj ? widen8<T>(w.base + size_t(r * w.ld + k) * esz, n, wscale<T>(w, r, k)) : _mm256_setzero_ps();
+      }
+      DSV3_UNROLL2
+      for (int h = 0; h < 2; ++h) {  // rows 8h..8h+7: lane i of v[8h + q] -> lane q of t[8h + i]
+        __m256 lo[4], hi[4];
+        transpose4_lanes(v + 8 * h, lo);
+        transpose4_lanes(v + 8 * h + 4, hi);
+        DSV3_UNROLL2
+        for (int q = 0; q < 4; ++q) {
+          t[8 * h + q] = _mm256_permute2f128_ps(lo[q], hi[q], 0x20);
+          t[8 * h + 4 + q] = _mm256_permute2f128_ps(lo[q], hi[q], 0x31);
+        }
+      }
+      float* p = panel + g * 16 * kcp + kk * 16;
+      DSV3_UNROLL2
+      for (int i = 0; i < 8; ++i) _mm256_store_ps(p + 16 * i, t[i]), _mm256_store_ps(p + 16 * i + 8, t[8 + i]);
+    }
+}
+
+// A(k, j) = W(d0 + k, j) (A's columns are weight columns): 16 contiguous weights per panel row.
+template <WT T>
+DSV3_AVX2 void pack_cols(const WSrc& w, int64_t d0, int64_t j0, int64_t nj, int64_t k0, int64_t kc, float* panel) {
+  constexpr size_t esz = elem_size<T>();
+  const int64_t kcp = round8(kc);
+  for (int64_t g = 0; 16 * g < nj; ++g) {
+    const int64_t c = j0 + 16 * g, nc = std::min<int64_t>(16, nj - 16 * g);
+    for (int64_t k = 0; k < kc; ++k) {
+      const int64_t r = d0 + k0 + k;
+      const char* p = w.base + size_t(r * w.ld + c) * esz;
+      const float f = wscale<T>(w, r, c);  // 16 columns lie in one 128-column block
+      float* q = panel + g * 16 * kcp + k * 16;
+      _mm256_store_ps(q, widen8<T>(p, std::min<int64_t>(8, nc), f));
+      _mm256_store_ps(q + 8, nc > 8 ? widen8<T>(p + 8 * esz, nc - 8, f) : _mm256_setzero_ps());
+    }
+  }
+}
+
+template <WT T>
+WSrc wsrc(const Linear& w) {
+  return {static_cast<const char*>(w.weight.data), w.in(), w.in(), T == WT::kFp8 ? w.scale.as<float>() : nullptr,
+          ceil_div(w.in(), kBlock)};
+}
+
+// Many tokens: rows [r0, r0 + nr) of w against M tokens.
+template <WT T>
+DSV3_AVX2 void matmul_many(const float* x, int64_t M, int64_t ldx, const Linear& w, int64_t r0, int64_t nr, float* y,
+                           int64_t ldy, Scratch& s) {
+  const WSrc src = wsrc<T>(w);
+  gemm_blocked(x, M, ldx, w.in(), nr, [&](int64_t j0, int64_t nj, int64_t k0, int64_t kc, float* p) DSV3_AVX2 {
+    pack_rows<T>(src, r0, j0, nj, k0, kc, p);
+  }, Out{y, ldy, false, false, 1.f}, s);
 }
 
 // f(WT constant) for w's weight dtype.
@@ -562,8 +711,10 @@ DSV3_AVX2_INLINE void by_dtype(const Linear& w, const char* op, F&& f) {
 DSV3_AVX2 void matmul_avx2(const float* x, int64_t M, int64_t ldx, const Linear& w, int64_t r0, int64_t nr, float* y,
                            int64_t ldy, Scratch& s) {
   if (M <= 0 || nr <= 0) return;
-  if (M > 8) return matmul_panel(x, M, ldx, w, r0, nr, y, ldy, s);
-  by_dtype(w, "matmul", [&](auto t) DSV3_AVX2 { matmul_few<decltype(t)::value>(x, M, ldx, w, r0, nr, y, ldy, s); });
+  by_dtype(w, "matmul", [&](auto t) DSV3_AVX2 {
+    if (M > 8) return matmul_many<decltype(t)::value>(x, M, ldx, w, r0, nr, y, ldy, s);
+    matmul_few<decltype(t)::value>(x, M, ldx, w, r0, nr, y, ldy, s);
+  });
 }
 
 DSV3_AVX2 void axpy_avx2(float alpha, const float* x, int64_t n, float* y) {
@@ -578,6 +729,13 @@ DSV3_AVX2 void matmul_t_avx2(const float* x, int64_t M, int64_t ldx, const Linea
   if (M <= 0 || nd <= 0) return;
   if (M == 1) return by_dtype(w, "matmul_t", [&](auto t) DSV3_AVX2 { matmul_t1<decltype(t)::value>(x, w, d0, nd, y, s); });
   const int64_t C = w.in();
+  if (M > 8)
+    return by_dtype(w, "matmul_t", [&](auto t) DSV3_AVX2 {
+      const WSrc src = wsrc<decltype(t)::value>(w);
+      gemm_blocked(x, M, ldx, nd, C, [&](int64_t j0, int64_t nj, int64_t k0, int64_t kc, float* p) DSV3_AVX2 {
+        pack_cols<decltype(t)::value>(src, d0, j0, nj, k0, kc, p);
+      }, Out{y, ldy, false, false, 1.f}, s);
+    });
   float* row = s.get<float>(0, size_t(ceil_div(C, 8) * 8));
   for (int64_t m = 0; m < M; ++m) std::fill(y + m * ldy, y + m * ldy + C, 0.f);
   for (int64_t d = 0; d < nd; ++d) {
@@ -598,14 +756,34 @@ DSV3_AVX2 float dot_avx2(const float* a, const float* b, int64_t K) {
   return s;
 }
 
+// The float32 products' own scratch (their signature has none).
+Scratch& f32_scratch() {
+  thread_local Scratch s;
+  return s;
+}
+
+// Beyond 8 rows of a (prefill: a token's heads): b's rows are the blocked product's tokens, a
+// the packed side, c written transposed.
 DSV3_AVX2 void gemm_nt_f32_avx2(const float* a, int64_t lda, const float* b, int64_t ldb, int64_t M, int64_t N,
                                 int64_t K, float alpha, float* c, int64_t ldc) {
+  if (M > 8) {
+    const WSrc src{reinterpret_cast<const char*>(a), lda, K};
+    return gemm_blocked(b, N, ldb, K, M, [&](int64_t j0, int64_t nj, int64_t k0, int64_t kc, float* p) DSV3_AVX2 {
+      pack_rows<WT::kF32>(src, 0, j0, nj, k0, kc, p);
+    }, Out{c, ldc, true, false, alpha}, f32_scratch());
+  }
   for (int64_t i = 0; i < M; ++i)
     for (int64_t j = 0; j < N; ++j) c[i * ldc + j] = alpha * dot_avx2(a + i * lda, b + j * ldb, K);
 }
 
 DSV3_AVX2 void gemm_nn_acc_f32_avx2(const float* p, int64_t ldp, const float* v, int64_t ldv, int64_t M, int64_t N,
                                     int64_t J, float* o, int64_t ldo) {
+  if (M > 8) {
+    const WSrc src{reinterpret_cast<const char*>(v), ldv, J};
+    return gemm_blocked(p, M, ldp, N, J, [&](int64_t j0, int64_t nj, int64_t k0, int64_t kc, float* pn) DSV3_AVX2 {
+      pack_cols<WT::kF32>(src, 0, j0, nj, k0, kc, pn);
+    }, Out{o, ldo, false, true, 1.f}, f32_scratch());
+  }
   for (int64_t i = 0; i < M; ++i)
     for (int64_t n = 0; n < N; ++n) axpy_avx2(p[i * ldp + n], v + n * ldv, J, o + i * ldo);
 }
