@@ -325,7 +325,10 @@ DSV3_AVX2 void rows_direct_m(const char* w, int64_t ldw, int64_t nr, int64_t K, 
 // 32 KB into L2.
 DSV3_AVX2 void prefetch_start(const char* p, const char* wend) {
   const size_t span = std::min(size_t(wend - p), kFarPrefetch);
-  for (size_t off = 0; off < span; off += 64) _mm_prefetch(p + off, off < kNearPrefetch ? _MM_HINT_T0 : _MM_HINT_T1);
+  // Two loops: the hint must be a constant even where the compiler does not unroll (-O1).
+  size_t off = 0;
+  for (; off < std::min(span, kNearPrefetch); off += 64) _mm_prefetch(p + off, _MM_HINT_T0);
+  for (; off < span; off += 64) _mm_prefetch(p + off, _MM_HINT_T1);
 }
 
 template <WT T>
