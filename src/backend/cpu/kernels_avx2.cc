@@ -458,35 +458,6 @@ DSV3_AVX2 void matmul_t1(const float* x, const Linear& wl, int64_t d0, int64_t n
   }
 }
 
-// Row `row` of w, columns [0, K), as float32 (FP8 with its block scales) into out (K padded to 8
-// with zeros).
-DSV3_AVX2 void widen_row(const Linear& w, int64_t row, float* out) {
-  const int64_t K = w.in(), K8 = K / 8 * 8;
-  if (w.fp8()) {
-    const uint8_t* q = w.weight.as<uint8_t>() + row * K;
-    const float* s = w.scale.as<float>() + (row / 128) * ceil_div(K, 128);
-    for (int64_t k = 0; k < K8; k += 8)
-      _mm256_storeu_ps(out + k, _mm256_mul_ps(e4m3x8(q + k), _mm256_set1_ps(s[k / 128] * 256.f)));
-    for (int64_t k = K8; k < K; ++k) out[k] = e4m3_to_f32(q[k]) * s[k / 128];
-  } else if (w.weight.dtype == DType::BF16) {
-    const uint16_t* q = w.weight.as<uint16_t>() + row * K;
-    for (int64_t k = 0; k < K8; k += 8) {
-      __m256i v = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + k)));
-      _mm256_storeu_ps(out + k, _mm256_castsi256_ps(_mm256_slli_epi32(v, 16)));
-    }
-    for (int64_t k = K8; k < K; ++k) out[k] = bf16_to_f32(q[k]);
-  } else if (w.weight.dtype == DType::F16) {
-    const uint16_t* q = w.weight.as<uint16_t>() + row * K;
-    for (int64_t k = 0; k < K8; k += 8)
-      _mm256_storeu_ps(out + k, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + k))));
-    for (int64_t k = K8; k < K; ++k) out[k] = f16_to_f32(q[k]);
-  } else {
-    DSV3_CHECK(w.weight.dtype == DType::F32, "unsupported weight dtype ", dtype_name(w.weight.dtype));
-    std::memcpy(out, w.weight.as<float>() + row * K, size_t(K) * 4);
-  }
-  for (int64_t k = K; k < ceil_div(K, 8) * 8; ++k) out[k] = 0.f;
-}
-
 // --- many tokens (prefill): a blocked float32 GEMM ---------------------------------------------------
 // y(m, j) = sum_k x[m * ldx + k] A(k, j) (m < M, j < N, k < K). A is packed per (column block of
 // kNC, K block of kKC) into 16-column panels, panel g at p + g * 16 * kcp (kcp = kc rounded up to
@@ -689,6 +660,16 @@ WSrc wsrc(const Linear& w) {
           ceil_div(w.in(), kBlock)};
 }
 
+// Row `row` of w, columns [0, w.len), as float32 (FP8 with its block scales) into out, padded
+// with zeros to a multiple of 8.
+template <WT T>
+DSV3_AVX2 void widen_row(const WSrc& w, int64_t row, float* out) {
+  constexpr size_t esz = elem_size<T>();
+  const char* p = w.base + size_t(row * w.ld) * esz;
+  for (int64_t k = 0; k < w.len; k += 8)
+    _mm256_storeu_ps(out + k, widen8<T>(p + size_t(k) * esz, std::min<int64_t>(8, w.len - k), wscale<T>(w, row, k)));
+}
+
 // Many tokens: rows [r0, r0 + nr) of w against M tokens.
 template <WT T>
 DSV3_AVX2 void matmul_many(const float* x, int64_t M, int64_t ldx, const Linear& w, int64_t r0, int64_t nr, float* y,
@@ -741,10 +722,13 @@ DSV3_AVX2 void matmul_t_avx2(const float* x, int64_t M, int64_t ldx, const Linea
     });
   float* row = s.get<float>(0, size_t(ceil_div(C, 8) * 8));
   for (int64_t m = 0; m < M; ++m) std::fill(y + m * ldy, y + m * ldy + C, 0.f);
-  for (int64_t d = 0; d < nd; ++d) {
-    widen_row(w, d0 + d, row);
-    for (int64_t m = 0; m < M; ++m) axpy_avx2(x[m * ldx + d], row, C, y + m * ldy);
-  }
+  by_dtype(w, "matmul_t", [&](auto t) DSV3_AVX2 {
+    const WSrc src = wsrc<decltype(t)::value>(w);
+    for (int64_t d = 0; d < nd; ++d) {
+      widen_row<decltype(t)::value>(src, d0 + d, row);
+      for (int64_t m = 0; m < M; ++m) axpy_avx2(x[m * ldx + d], row, C, y + m * ldy);
+    }
+  });
 }
 
 DSV3_AVX2 float dot_avx2(const float* a, const float* b, int64_t K) {

@@ -74,6 +74,14 @@ __device__ __forceinline__ float2 e4m3x2_bits(uint32_t v) {
   return __half22float2(__half2(h));
 }
 
+// hi[i] = bf16(x) and, when lo is given, lo[i] = bf16(x - hi[i]): the split of the float32-grade
+// tensor-core products.
+__device__ __forceinline__ void split_bf16(float x, __nv_bfloat16* hi, __nv_bfloat16* lo, int64_t i) {
+  const __nv_bfloat16 h = __float2bfloat16_rn(x);
+  hi[i] = h;
+  if (lo) lo[i] = __float2bfloat16_rn(x - __bfloat162float(h));
+}
+
 __device__ __forceinline__ float silu(float x) { return x / (1.f + expf(-x)); }
 
 // Element (r, k) of a DevLinear as float (FP8 times its block scale), the slow generic path.

@@ -176,10 +176,9 @@ class CudaBackend final : public Backend {
     L_.pdl = opt_.pdl && prop.major >= 9;
     wgmma_ = opt_.wgmma && prop.major == 9;  // sm_90a code: Hopper only
     CK(cudaMallocHost(&staging_, kStagingBytes));
-    CK(cudaMalloc(&counter_, sizeof(unsigned)));
-    CK(cudaMemset(counter_, 0, sizeof(unsigned)));
-    CK(cudaMalloc(&attn_counters_, sizeof(unsigned) * kAttnCounters));
-    CK(cudaMemset(attn_counters_, 0, sizeof(unsigned) * kAttnCounters));
+    CK(cudaMalloc(&counter_, sizeof(unsigned) * (1 + kAttnCounters)));
+    CK(cudaMemset(counter_, 0, sizeof(unsigned) * (1 + kAttnCounters)));
+    attn_counters_ = counter_ + 1;
     CK(cudaEventCreateWithFlags(&staging_done_, cudaEventDisableTiming));
     // cuBLAS (the prefill attention) set up now: never during graph capture.
     CB(cublasCreate(&cublas_));
@@ -206,7 +205,6 @@ class CudaBackend final : public Backend {
     for (cudaEvent_t e : free_events_) cudaEventDestroy(e);
     cudaFreeHost(staging_);
     cudaFree(counter_);
-    cudaFree(attn_counters_);
     cudaEventDestroy(staging_done_);
     cudaStreamDestroy(stream_);
   }
@@ -985,9 +983,11 @@ class CudaBackend final : public Backend {
   std::vector<float> rope_fp_;
   size_t rope_n_ = 0;
   void* staging_ = nullptr;
-  unsigned* counter_ = nullptr;  // zeroed word for the fused gate + router
+  // Zeroed device words that kernels leave zeroed: the first for the fused gate + router, the
+  // next kAttnCounters (attn_counters_) for the one-launch decode attention.
   static constexpr int64_t kAttnCounters = 4096;
-  unsigned* attn_counters_ = nullptr;  // zeroed words for the one-launch decode attention
+  unsigned* counter_ = nullptr;
+  unsigned* attn_counters_ = nullptr;
   cudaEvent_t staging_done_ = nullptr;
   void* step_dev_ = nullptr;
   size_t step_cap_ = 0;

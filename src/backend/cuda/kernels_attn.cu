@@ -39,12 +39,6 @@ struct FlashArgs {
   float scale_log2;  // softmax scale * log2(e)
 };
 
-__device__ __forceinline__ void split_bf16(float x, __nv_bfloat16* hi, __nv_bfloat16* lo, int64_t i) {
-  const __nv_bfloat16 h = __float2bfloat16_rn(x);
-  hi[i] = h;
-  if (lo) lo[i] = __float2bfloat16_rn(x - __bfloat162float(h));
-}
-
 // Rows (t, h) < Lk * H: K = k_nope | pe, V; then rows (i, h) < m * H of Q. One warp per row.
 template <int NOPE, int R, int V>
 __global__ void flash_pack_kernel(const float* __restrict__ q, const float* __restrict__ kvb,

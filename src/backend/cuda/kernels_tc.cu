@@ -370,9 +370,7 @@ __global__ void __launch_bounds__(TM / WM * 64) tc_gemm_kernel(TcJob j) {
       if (r >= Mv || c >= nv) continue;
       const float v = silu(ct[r * kLdc + c]) * ct[r * kLdc + TN / 2 + c];
       const int64_t orow = arow0 + m0 + r, oi = orow * j.ldo + n0 + c;
-      const __nv_bfloat16 h = __float2bfloat16_rn(v);
-      static_cast<__nv_bfloat16*>(j.o_hi)[oi] = h;
-      if (j.o_lo) static_cast<__nv_bfloat16*>(j.o_lo)[oi] = __float2bfloat16_rn(v - __bfloat162float(h));
+      split_bf16(v, static_cast<__nv_bfloat16*>(j.o_hi), static_cast<__nv_bfloat16*>(j.o_lo), oi);
     }
   } else {
     const int64_t nv = imin(TN, N - n0);
@@ -415,10 +413,7 @@ __global__ void split_rows_kernel(const float* __restrict__ x, int64_t rows, int
   const int64_t total = rows * cols;
   for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < total; i += int64_t(gridDim.x) * blockDim.x) {
     const int64_t r = i / cols, c = i - r * cols;
-    const float v = x[r * ldx + c];
-    const __nv_bfloat16 h = __float2bfloat16_rn(v);
-    hi[i] = h;
-    if (lo) lo[i] = __float2bfloat16_rn(v - __bfloat162float(h));
+    split_bf16(x[r * ldx + c], hi, lo, i);
   }
 }
 
