@@ -7,6 +7,7 @@
 //
 //   dsv3_cuda_bench [--dtypes bf16,fp8] [--steps 64] [--json FILE] [--quick] [--profile] [--prefill-only]
 //                   [--ctx N]   (decode after N prefilled positions per row; default 16)
+//                   [--decode-only] [--variants default,nopf,...]   (only the named runs)
 // --profile adds a run that times every op and kernel group with events (no graphs).
 #include <cuda_runtime.h>
 
@@ -94,7 +95,8 @@ struct Variant {
 int main(int argc, char** argv) {
   std::vector<std::string> dtypes = {"bf16", "fp8"};
   int steps = 64;
-  bool quick = false, profile = false, prefill_only = false;
+  bool quick = false, profile = false, prefill_only = false, decode_only = false;
+  std::vector<std::string> only;
   int ctx = 16;
   std::string json;
   for (int i = 1; i < argc; ++i) {
@@ -106,15 +108,22 @@ int main(int argc, char** argv) {
       }
       return argv[++i];
     };
-    if (s == "--dtypes") {
-      dtypes.clear();
+    auto list = [&](std::vector<std::string>& out) {
+      out.clear();
       std::string v = next();
       for (size_t p = 0; p <= v.size();) {
         size_t q = v.find(',', p);
         if (q == std::string::npos) q = v.size();
-        dtypes.push_back(v.substr(p, q - p));
+        out.push_back(v.substr(p, q - p));
         p = q + 1;
       }
+    };
+    if (s == "--dtypes") {
+      list(dtypes);
+    } else if (s == "--variants") {
+      list(only);
+    } else if (s == "--decode-only") {
+      decode_only = true;
     } else if (s == "--steps") {
       steps = std::max(1, std::atoi(next().c_str()));
     } else if (s == "--json") {
@@ -129,7 +138,7 @@ int main(int argc, char** argv) {
       profile = true;
     } else {
       std::fprintf(stderr, "usage: dsv3_cuda_bench [--dtypes bf16,fp8] [--steps N] [--json FILE] [--quick] [--profile] "
-                           "[--prefill-only] [--ctx N]\n");
+                           "[--prefill-only] [--ctx N] [--decode-only] [--variants a,b]\n");
       return 2;
     }
   }
@@ -142,8 +151,9 @@ int main(int argc, char** argv) {
     cudaDeviceProp prop;
     cudaGetDeviceProperties(&prop, 0);
     const double bw = cuda::copy_bandwidth_gbps(size_t(2) << 30, 20);
-    std::printf("device: %s, %d SMs, %.1f GB; copy bandwidth %.0f GB/s (read + write; anchors: %.0f)\n", prop.name,
-                prop.multiProcessorCount, double(prop.totalGlobalMem) / 1e9, bw, anchors::kCopyGBps);
+    std::printf("device: %s, %d SMs, %.1f GB, L2 %.0f MB; copy bandwidth %.0f GB/s (read + write; anchors: %.0f)\n",
+                prop.name, prop.multiProcessorCount, double(prop.totalGlobalMem) / 1e9, double(prop.l2CacheSize) / 1e6,
+                bw, anchors::kCopyGBps);
     const double peak = anchors::kBf16MatmulTFlops * 1e12;
     for (const std::string& dt : dtypes) {
       const bool fp8 = dt == "fp8";
@@ -187,7 +197,12 @@ int main(int argc, char** argv) {
         o.fast = true;
         vars.push_back({"profile-fast", o, false, true, true});
       }
-      for (const Variant& v : vars) {
+      if (!only.empty())
+        vars.erase(std::remove_if(vars.begin(), vars.end(),
+                                  [&](const Variant& v) { return std::find(only.begin(), only.end(), v.name) == only.end(); }),
+                   vars.end());
+      for (Variant& v : vars) {
+        if (decode_only) v.prefill = false;
         auto be = make_cuda_backend(v.opt);
         Backend* bp = be.get();
         ModelWeights w = cuda::random_weights(*be, a, 1234);
