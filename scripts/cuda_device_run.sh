@@ -8,7 +8,7 @@
 #   OUT=/tmp/out scripts/cuda_device_run.sh      # on the GPU machine (device tool: carry .devdeps)
 # Environment: TESTS (gtest filter, default all CUDA tests; "none" to skip), BENCH_ARGS (for
 # dsv3_cuda_bench; "none" to skip), SANITIZE=1 (compute-sanitizer memcheck over the op tests),
-# CLI=1 (also build `dsv3` with the bench command) and CLI_ARGS (run it, e.g. "bench --device cuda ...").
+# LT_ARGS (run dsv3_cublaslt_bench with them), CLI=1 (also build `dsv3` with the bench command) and CLI_ARGS (run it, e.g. "bench --device cuda ...").
 set -u
 cd "$(dirname "$0")/.."
 ROOT=$PWD
@@ -57,6 +57,7 @@ compile "$DEPS/gtest/src/gtest-all.cc" "$B/gtest-all.o" g++ -std=c++17 -O2 -I$DE
 compile "$DEPS/gtest/src/gtest_main.cc" "$B/gtest_main.o" g++ -std=c++17 -O2 -I$DEPS/gtest/include
 compile tests/cuda_backend_test.cc "$B/test.o" g++ $CXXFLAGS -Itests "-DDSV3_TEST_DATA=\"$ROOT/tests/data\""
 compile bench/cuda_bench.cc "$B/bench.o" g++ $CXXFLAGS -Ibench
+compile bench/cublaslt_fp8_bench.cc "$B/ltbench.o" g++ $CXXFLAGS -Ibench
 if [ "${CLI:-0}" = 1 ]; then  # the dsv3 binary with the bench command only (for --device cuda)
   mkdir -p "$B/cli"
   for s in src/backend/registry.cc src/backend/cpu/*.cc src/tools/main.cc src/tools/cmd_bench.cc; do
@@ -71,6 +72,7 @@ LIBS="-L/usr/local/cuda/lib64 -lcublas -lcublasLt -lcudart -lpthread"
 if [ $fail = 0 ]; then
   g++ -o "$B/tests" "$B/test.o" $B/obj/*.o "$B/gtest-all.o" "$B/gtest_main.o" $LIBS || fail=1
   g++ -o "$B/bench" "$B/bench.o" $B/obj/*.o $LIBS || fail=1
+  g++ -o "$B/ltbench" "$B/ltbench.o" $B/obj/*.o $LIBS || fail=1
   if [ "${CLI:-0}" = 1 ]; then g++ -o "$B/dsv3" $B/cli/*.o $B/obj/*.o $LIBS || fail=1; fi
 fi
 log "build done in $(( $(date +%s) - t0 )) s, fail=$fail"
@@ -90,6 +92,12 @@ if [ "$BENCH_ARGS" != none ]; then
   timeout ${BENCH_TIMEOUT:-200} "$B/bench" --json "$OUT/bench.json" $BENCH_ARGS > "$OUT/bench.log" 2>&1
   log "bench rc=$?"
   cat "$OUT/bench.log" | tee -a "$OUT/summary.txt"
+fi
+if [ -n "${LT_ARGS:-}" ]; then  # e.g. LT_ARGS="--reps 50": dsv3_cublaslt_bench
+  log "cublaslt bench $LT_ARGS"
+  timeout 200 "$B/ltbench" $LT_ARGS > "$OUT/cublaslt.log" 2>&1
+  log "cublaslt bench rc=$?"
+  cat "$OUT/cublaslt.log" | tee -a "$OUT/summary.txt"
 fi
 if [ -n "${CLI_ARGS:-}" ]; then  # e.g. CLI=1 CLI_ARGS="bench --device cuda --model DIR"
   log "dsv3 $CLI_ARGS"
