@@ -70,6 +70,7 @@ double attention_macs(const ModelArgs& a, int64_t T) {
 struct Line {
   std::string dtype, what, variant;
   double tok_s = 0, ms = 0, floor_ms = 0, ref = 0, hf = 0;
+  double experts = 0;  // decode: routed experts per MoE layer and step (measured)
 };
 std::vector<Line> g_lines;
 
@@ -79,6 +80,7 @@ void report(const Line& l) {
               l.what.c_str(), l.variant.c_str(), l.tok_s, l.ms, l.floor_ms, 100.0 * l.floor_ms / l.ms);
   if (l.ref > 0) std::printf("  x%.1f reference", l.tok_s / l.ref);
   if (l.hf > 0) std::printf("  x%.1f transformers", l.tok_s / l.hf);
+  if (l.experts > 0) std::printf("  %.1f experts/layer", l.experts);
   std::printf("\n");
   std::fflush(stdout);
 }
@@ -229,6 +231,7 @@ int main(int argc, char** argv) {
             for (int s = 0; s < warm + n; ++s) {
               if (s == warm) {
                 if (v.profile) cuda::profile_report(*bp, true);
+                bp->reset_counters();
                 t0 = now();
               }
               std::vector<int32_t> step(static_cast<size_t>(B));
@@ -236,16 +239,17 @@ int main(int argc, char** argv) {
               model.forward(step.data(), B, 1, T0 + s, logits);
             }
             const double ms = (now() - t0) * 1e3 / n;
-            // Bytes a step reads: everything but the routed experts, plus the experts B tokens
-            // are expected to use under uniform routing (batch 1: exactly n_activated).
-            const double E = a.n_routed_experts, K = a.n_activated_experts;
+            // Bytes a step reads: everything but the routed experts, plus the experts the B tokens
+            // used (the router's device counter; batch 1: exactly n_activated).
+            const double K = a.n_activated_experts;
             const double per_expert = double(3 * a.dim * a.moe_inter_dim) * (fp8 ? 1.0 : 2.0);
             const double moe_layers = a.n_layers - a.n_dense_layers;
-            const double distinct = E * (1.0 - std::pow(1.0 - K / E, B));
+            const double distinct = double(bp->routed_experts_run()) / double(n) / moe_layers;
             const double bytes = double(st.decode_bytes_per_token) + moe_layers * per_expert * (distinct - K);
             Line l;
             l.dtype = dt, l.what = B == 1 ? "decode b1" : "decode b8", l.variant = v.name;
             l.tok_s = B * 1e3 / ms, l.ms = ms, l.floor_ms = bytes / (bw * 1e9) * 1e3;
+            l.experts = distinct;
             l.ref = fp8 ? (B == 1 ? anchors::kRefFp8Bf16GemmDecodeB1 : anchors::kRefFp8DecodeB8)
                         : (B == 1 ? anchors::kRefBf16DecodeB1 : anchors::kRefBf16DecodeB8);
             l.hf = B == 1 ? anchors::kHfBf16DecodeB1 : anchors::kHfBf16DecodeB8;
@@ -290,9 +294,10 @@ int main(int argc, char** argv) {
         const Line& l = g_lines[i];
         std::fprintf(f,
                      "  {\"dtype\": \"%s\", \"what\": \"%s\", \"variant\": \"%s\", \"tok_s\": %.2f, \"ms\": %.4f, "
-                     "\"floor_ms\": %.4f, \"vs_reference\": %.2f, \"vs_transformers\": %.2f}%s\n",
+                     "\"floor_ms\": %.4f, \"vs_reference\": %.2f, \"vs_transformers\": %.2f, "
+                     "\"experts_per_layer\": %.2f}%s\n",
                      l.dtype.c_str(), l.what.c_str(), l.variant.c_str(), l.tok_s, l.ms, l.floor_ms,
-                     l.ref > 0 ? l.tok_s / l.ref : 0.0, l.hf > 0 ? l.tok_s / l.hf : 0.0,
+                     l.ref > 0 ? l.tok_s / l.ref : 0.0, l.hf > 0 ? l.tok_s / l.hf : 0.0, l.experts,
                      i + 1 < g_lines.size() ? "," : "");
       }
       std::fprintf(f, "]}\n");

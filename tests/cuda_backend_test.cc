@@ -335,18 +335,25 @@ TEST(CudaOps, RouterMatchesGate) {
     if (!bias.empty()) bd = std::make_unique<Dev>(*cuda, bias);
     std::vector<int32_t> idx(static_cast<size_t>(n * K));
     std::vector<float> wts(static_cast<size_t>(n * K));
+    cuda->reset_counters();
     cuda::route_for_test(*cuda, a, ld.p, bd ? bd->p : nullptr, n, idx.data(), wts.data());
     std::vector<float> scratch(static_cast<size_t>(2 * E + a.n_expert_groups));
+    std::vector<bool> used(static_cast<size_t>(E));
     for (int64_t i = 0; i < n; ++i) {
       std::vector<int32_t> wi(static_cast<size_t>(K));
       std::vector<float> ww(static_cast<size_t>(K));
       route_token(a, &lg[size_t(i * E)], bias.empty() ? nullptr : bias.data(), wi.data(), ww.data(), scratch.data());
+      for (int k = 0; k < K; ++k) used[size_t(wi[size_t(k)])] = true;
       for (int k = 0; k < K; ++k) {
         EXPECT_EQ(idx[size_t(i * K + k)], wi[size_t(k)]) << c << " token " << i << " choice " << k;
         EXPECT_NEAR(wts[size_t(i * K + k)], ww[size_t(k)], 1e-6f * std::max(1.f, std::fabs(ww[size_t(k)])))
             << c << " token " << i;
       }
     }
+    // The device counter: the distinct experts gate.cc chose for these tokens.
+    EXPECT_EQ(cuda->routed_experts_run(), int64_t(std::count(used.begin(), used.end(), true))) << c;
+    cuda->reset_counters();
+    EXPECT_EQ(cuda->routed_experts_run(), 0) << c;
   }
 }
 
@@ -384,9 +391,17 @@ TEST(CudaOps, MlpAndMoeMatchRef) {
         EXPECT_LE(rel_l2(yd.get().data(), want.data(), want.size()), tol) << c << " mlp n=" << n << " mode " << mode;
         for (int l = 1; l < W.a.n_layers; ++l) {
           ref->moe(W.a, W.host.layers[size_t(l)].moe_w, x.data(), n, want.data());
+          cuda->reset_counters();
           cuda->moe(W.a, W.dev.layers[size_t(l)].moe_w, xd.p, n, yd.p);
           EXPECT_LE(rel_l2(yd.get().data(), want.data(), want.size()), tol)
               << c << " moe layer " << l << " n=" << n << " mode " << mode;
+          // one token uses exactly K routed experts; n tokens between K and min(n K, E)
+          const int64_t run = cuda->routed_experts_run(), K = W.a.n_activated_experts;
+          if (n == 1) {
+            EXPECT_EQ(run, K) << c << " mode " << mode;
+          }
+          EXPECT_GE(run, K) << c << " n=" << n;
+          EXPECT_LE(run, std::min<int64_t>(n * K, W.a.n_routed_experts)) << c << " n=" << n;
         }
       }
     }

@@ -176,9 +176,12 @@ class CudaBackend final : public Backend {
     L_.pdl = opt_.pdl && prop.major >= 9;
     wgmma_ = opt_.wgmma && prop.major == 9;  // sm_90a code: Hopper only
     CK(cudaMallocHost(&staging_, kStagingBytes));
-    CK(cudaMalloc(&counter_, sizeof(unsigned) * (1 + kAttnCounters)));
-    CK(cudaMemset(counter_, 0, sizeof(unsigned) * (1 + kAttnCounters)));
+    // [gate + router][decode attention: kAttnCounters][pad][experts run: 8 bytes, 8-byte aligned]
+    const size_t words = 2 + size_t(kAttnCounters) + 2;
+    CK(cudaMalloc(&counter_, sizeof(unsigned) * words));
+    CK(cudaMemset(counter_, 0, sizeof(unsigned) * words));
     attn_counters_ = counter_ + 1;
+    experts_run_ = reinterpret_cast<unsigned long long*>(counter_ + 2 + kAttnCounters);
     CK(cudaEventCreateWithFlags(&staging_done_, cudaEventDisableTiming));
     // cuBLAS (the prefill attention) set up now: never during graph capture.
     CB(cublasCreate(&cublas_));
@@ -210,6 +213,20 @@ class CudaBackend final : public Backend {
   }
 
   std::string name() const override { return "cuda"; }
+
+  // Routed experts given tokens, summed over MoE calls (the router adds each call's count on the
+  // device; read after the stream drains).
+  int64_t routed_experts_run() const override {
+    unsigned long long v = 0;
+    CK(cudaStreamSynchronize(stream_));
+    CK(cudaMemcpy(&v, experts_run_, sizeof v, cudaMemcpyDeviceToHost));
+    return int64_t(v);
+  }
+  void reset_counters() override {
+    no_capture("reset_counters");
+    flush_add();
+    CK(cudaMemsetAsync(experts_run_, 0, sizeof(unsigned long long), stream_));
+  }
 
   float* alloc(size_t n) override {
     no_capture("alloc");
@@ -797,6 +814,7 @@ class CudaBackend final : public Backend {
   cuda::MoeSched sched(int64_t n, int E, int K, int S) {
     cuda::MoeSched s;
     s.n = n, s.E = E, s.K = K, s.S = S;
+    s.experts_run = experts_run_;
     const int64_t NE = s.NE(), P = s.P(), T = s.max_tiles(), Kt = K + S;
     const size_t words = size_t(3 * NE + 2 + P + 2 * n * Kt + 2 * T);
     int32_t* b = static_cast<int32_t*>(scratch(kSched, words * 4));
@@ -988,6 +1006,7 @@ class CudaBackend final : public Backend {
   static constexpr int64_t kAttnCounters = 4096;
   unsigned* counter_ = nullptr;
   unsigned* attn_counters_ = nullptr;
+  unsigned long long* experts_run_ = nullptr;  // in counter_'s allocation, after the attention counters
   cudaEvent_t staging_done_ = nullptr;
   void* step_dev_ = nullptr;
   size_t step_cap_ = 0;

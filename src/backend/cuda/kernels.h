@@ -169,6 +169,7 @@ struct MoeSched {
   int32_t* tile_e = nullptr;   // [max_tiles] expert of each GEMM tile (tile_rows rows)
   int32_t* tile_m0 = nullptr;  // [max_tiles] first row (within the expert) of each tile
   int32_t* n_tiles = nullptr;  // [1]
+  unsigned long long* experts_run = nullptr;  // [1] or null: += the routed experts given pairs (counters)
   int64_t n = 0;
   int E = 0, K = 0, S = 0;
   int tile_rows = 64;          // rows per GEMM tile (64, or 128 for tc_gemm's large tiles)

@@ -168,7 +168,10 @@ __device__ void group_pairs(const MoeSched& s, bool tiles) {
       nt += __shfl_sync(0xffffffffu, y, 31);
       na += __popc(act);
     }
-    if (lane == 0) *s.n_active = na, *s.n_tiles = nt;
+    if (lane == 0) {
+      *s.n_active = na, *s.n_tiles = nt;
+      if (s.experts_run) atomicAdd(s.experts_run, (unsigned long long)(na - (n > 0 ? S : 0)));
+    }
   }
   __syncthreads();
   for (int64_t i = threadIdx.x; i < n; i += blockDim.x) {
