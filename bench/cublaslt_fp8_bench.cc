@@ -46,11 +46,7 @@ void check_lt(cublasStatus_t s, const char* what, int line) {
   }
 }
 
-double e4m3(uint8_t b) {
-  const int s = b >> 7, e = (b >> 3) & 15, m = b & 7;
-  const double v = e == 0 ? std::ldexp(m / 8.0, -6) : std::ldexp(1.0 + m / 8.0, e - 7);
-  return s ? -v : v;
-}
+double e4m3(uint8_t b) { return double(e4m3_to_f32(b)); }  // exact
 
 std::vector<uint8_t> random_e4m3(size_t n, std::mt19937& g) {
   std::uniform_int_distribution<int> d(0, 255);
@@ -77,13 +73,6 @@ T* to_dev(const std::vector<T>& h, size_t min_elems = 0) {
   CU(cudaMemset(p, 0, n * sizeof(T)));
   CU(cudaMemcpy(p, h.data(), h.size() * sizeof(T), cudaMemcpyHostToDevice));
   return p;
-}
-
-float bf16_to_f32(uint16_t h) {
-  uint32_t u = uint32_t(h) << 16;
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
 }
 
 // One cuBLASLt product of X [M, K] and W [N, K] (row-major) in cuBLAS's TN form. Plain: A = W
@@ -283,10 +272,7 @@ int main(int argc, char** argv) {
     float* dws = to_dev(ws, size_t((kb + 4) * (nb + 4)));
     std::vector<uint16_t> wb(size_t(N * K));
     for (size_t i = 0; i < wb.size(); ++i) {
-      const float f = float(e4m3(w8[i]) * ws[(i / size_t(K)) / 128 * size_t(kb) + (i % size_t(K)) / 128]);
-      uint32_t u;
-      std::memcpy(&u, &f, 4);
-      wb[i] = uint16_t((u + 0x7fff + ((u >> 16) & 1)) >> 16);
+      wb[i] = f32_to_bf16(float(e4m3(w8[i]) * ws[(i / size_t(K)) / 128 * size_t(kb) + (i % size_t(K)) / 128]));
     }
     uint16_t* dwb = to_dev(wb);
     // dsv3's linear on the same FP8 weights (uploaded through prepare_weights).
