@@ -369,24 +369,32 @@ __global__ void __launch_bounds__(256) decode_attn_kernel(MlaDims d, const DevPo
     for (int c = 0; c < kDecCols; ++c) acc[h][c] = 0.f;
   for (int64_t t0 = ts; t0 < te; t0 += kDecPass) {
     const int tn = int(te - t0 < kDecPass ? te - t0 : kDecPass);
-    for (int tt = warp; tt < tn; tt += 8) {  // scores: a warp per position, its cache row in registers
-      const int64_t rp = row0 + t0 + tt;
-      float kr[kMaxJ];
+    // Scores: a warp takes positions tt and tt + 8, both cache rows in registers (their loads in
+    // flight together: at short contexts this loop is a chain of round trips).
+    for (int tt = warp; tt < tn; tt += 16) {
+      const bool two = tt + 8 < tn;
+      const int64_t rp = row0 + t0 + tt, rq = rp + 8;
+      float kr[kMaxJ], kq[kMaxJ];
 #pragma unroll
       for (int m = 0; m < kMaxJ; ++m) {
         const int j = lane + 32 * m;
         kr[m] = j < d.C ? ckv[rp * d.C + j] : (j < CR ? cpe[rp * d.R + (j - d.C)] : 0.f);
+        kq[m] = !two ? 0.f : (j < d.C ? ckv[rq * d.C + j] : (j < CR ? cpe[rq * d.R + (j - d.C)] : 0.f));
       }
 #pragma unroll
       for (int h = 0; h < HB; ++h) {
-        float sh = 0.f;
+        float sh = 0.f, sq = 0.f;
 #pragma unroll
         for (int m = 0; m < kMaxJ; ++m) {
           const int j = lane + 32 * m;
-          if (j < CR) sh = fmaf(kr[m], qs[h * CR + j], sh);
+          if (j < CR) sh = fmaf(kr[m], qs[h * CR + j], sh), sq = fmaf(kq[m], qs[h * CR + j], sq);
         }
         sh = warp_sum(sh);
-        if (lane == 0) ps[h * kDecPass + tt] = sh * d.scale;
+        sq = warp_sum(sq);
+        if (lane == 0) {
+          ps[h * kDecPass + tt] = sh * d.scale;
+          if (two) ps[h * kDecPass + tt + 8] = sq * d.scale;
+        }
       }
     }
     __syncthreads();
@@ -417,13 +425,17 @@ __global__ void __launch_bounds__(256) decode_attn_kernel(MlaDims d, const DevPo
       for (int h = 0; h < HB; ++h) acc[h][c] *= h < hb ? alpha[h] : 0.f;
       const float* kvp = ckv + (row0 + t0) * d.C + col;
       int tt = 0;
-      for (; tt + 4 <= tn; tt += 4) {
-        const float w0 = kvp[int64_t(tt) * d.C], w1 = kvp[int64_t(tt + 1) * d.C], w2 = kvp[int64_t(tt + 2) * d.C],
-                    w3 = kvp[int64_t(tt + 3) * d.C];
+      for (; tt + 8 <= tn; tt += 8) {  // eight cache rows' loads in flight
+        float w[8];
+#pragma unroll
+        for (int u = 0; u < 8; ++u) w[u] = kvp[int64_t(tt + u) * d.C];
 #pragma unroll
         for (int h = 0; h < HB; ++h) {
           const float* pr = ps + h * kDecPass + tt;
-          acc[h][c] = fmaf(pr[3], w3, fmaf(pr[2], w2, fmaf(pr[1], w1, fmaf(pr[0], w0, acc[h][c]))));
+          float a = acc[h][c];
+#pragma unroll
+          for (int u = 0; u < 8; ++u) a = fmaf(pr[u], w[u], a);
+          acc[h][c] = a;
         }
       }
       for (; tt < tn; ++tt) {
