@@ -99,6 +99,7 @@ int main(int argc, char** argv) {
   int steps = 64;
   bool quick = false, profile = false, prefill_only = false, decode_only = false;
   std::vector<std::string> only;
+  std::vector<int> batches = {1, 8};
   int ctx = 16;
   std::string json;
   for (int i = 1; i < argc; ++i) {
@@ -124,6 +125,11 @@ int main(int argc, char** argv) {
       list(dtypes);
     } else if (s == "--variants") {
       list(only);
+    } else if (s == "--batches") {
+      std::vector<std::string> bs;
+      list(bs);
+      batches.clear();
+      for (const std::string& b : bs) batches.push_back(std::clamp(std::atoi(b.c_str()), 1, 8));
     } else if (s == "--decode-only") {
       decode_only = true;
     } else if (s == "--steps") {
@@ -140,7 +146,7 @@ int main(int argc, char** argv) {
       profile = true;
     } else {
       std::fprintf(stderr, "usage: dsv3_cuda_bench [--dtypes bf16,fp8] [--steps N] [--json FILE] [--quick] [--profile] "
-                           "[--prefill-only] [--ctx N] [--decode-only] [--variants a,b]\n");
+                           "[--prefill-only] [--ctx N] [--decode-only] [--variants a,b] [--batches 1,8]\n");
       return 2;
     }
   }
@@ -178,6 +184,12 @@ int main(int argc, char** argv) {
         o = base;
         o.pdl = false;
         vars.push_back({"nopdl", o, true, false});
+        o = base;
+        o.tc_gemv_max = 0;  // decode GEMVs on the FMA kernels (kernels_gemv.cu) only
+        vars.push_back({"fma-gemv", o, true, false});
+        o = base;
+        o.tc_gemv_bf16 = true;  // the tensor-core GEMV for bf16 weights too
+        vars.push_back({"tcv-bf16", o, true, false});
         o = base;
         o.tc_min = 1 << 30;  // prefill on the first-generation WMMA kernel and CUDA-core attention
         vars.push_back({"wmma", o, false, true});
@@ -221,7 +233,7 @@ int main(int argc, char** argv) {
         std::mt19937 rng(7);
         std::uniform_int_distribution<int> tokd(0, V - 1);
         if (v.decode && !prefill_only) {
-          for (int B : {1, 8}) {
+          for (int B : batches) {
             const int T0 = ctx;
             std::vector<int32_t> tok(size_t(B * T0));
             for (auto& t : tok) t = tokd(rng);

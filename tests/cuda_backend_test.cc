@@ -233,6 +233,153 @@ TEST(CudaOps, LinearMatchesRef) {
   }
 }
 
+// The tensor-core GEMV (kernels_tcgemv.cu) called directly: plain, fused SwiGLU, two weights in
+// one launch, gathered and strided activation rows, batched heads; bf16 and e4m3 weights, ragged
+// rows, K from one iteration to many (so every K-slice count), 1 to 8 tokens; and the shapes it
+// must refuse. Against the ref backend at the GEMV bar.
+using cuda::DevLinear;
+DevLinear dev_linear_of(const Linear& l, int64_t rows, int64_t cols) {
+  DevLinear d;
+  d.w = l.weight.data;
+  d.rows = rows, d.cols = cols, d.ld = cols;
+  if (l.weight.dtype == DType::F8_E4M3) {
+    d.t = cuda::kFP8;
+    d.s = static_cast<const float*>(l.scale.data);
+    d.lds = (cols + 127) / 128;
+  } else {
+    d.t = l.weight.dtype == DType::BF16 ? cuda::kBF16 : cuda::kF32;
+  }
+  return d;
+}
+
+TEST(CudaOps, TensorCoreGemvMatchesRef) {
+  REQUIRE_GPU();
+  auto ref = make_ref_backend();
+  auto cuda = make_cuda_backend(opts());
+  cuda::Launch L;
+  L.tcv_max = 8;
+  L.tcv_bf16 = true;
+  auto sync = [] { ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess); };
+  const double tol = 2e-6;
+  struct Case {
+    int64_t out, in;
+  };
+  for (DType t : {DType::BF16, DType::F8_E4M3}) {
+    const bool fp8 = t == DType::F8_E4M3;
+    for (const Case& c : std::vector<Case>{{16, 128}, {300, 256}, {1413, 2048}, {45, 1408}, {130, 512}, {7, 3072}}) {
+      for (int64_t m : {1, 2, 5, 8}) {
+        const std::string what = str(dtype_name(t), " ", c.out, "x", c.in, " m=", m);
+        HostLinear h1 = make_linear(t, c.out, c.in, uint32_t(c.out + c.in)), h3 = make_linear(t, c.out, c.in, 99);
+        const Linear d1 = to_device(*cuda, h1.lin), d3 = to_device(*cuda, h3.lin);
+        const DevLinear w1 = dev_linear_of(d1, c.out, c.in), w3 = dev_linear_of(d3, c.out, c.in);
+        // Token rows with a wide range (the e4m3 path scales each token by a power of two).
+        std::vector<float> x = randn(size_t(m * c.in), uint32_t(m + c.in));
+        for (int64_t j = 0; j < m; ++j)
+          for (int64_t k = 0; k < c.in; ++k) x[size_t(j * c.in + k)] *= j == 1 ? 3e4f : (j == 2 ? 1e-4f : 1.f);
+        std::vector<float> want1(size_t(m * c.out)), want3(want1.size()), wantf(want1.size());
+        ref->linear(x.data(), m, h1.lin, want1.data());
+        ref->linear(x.data(), m, h3.lin, want3.data());
+        for (size_t e = 0; e < wantf.size(); ++e) wantf[e] = want1[e] / (1.f + std::exp(-want1[e])) * want3[e];
+        Dev xd(*cuda, x), y1(*cuda, want1.size()), y3(*cuda, want1.size());
+        ASSERT_TRUE(cuda::tcv_gemv(L, w1, nullptr, xd.p, c.in, nullptr, m, y1.p, c.out, 1, {})) << what;
+        sync();
+        EXPECT_LE(rel_l2(y1.get().data(), want1.data(), want1.size()), tol) << what << " plain";
+        ASSERT_TRUE(cuda::tcv_gemv(L, w1, &w3, xd.p, c.in, nullptr, m, y3.p, c.out, 1, {})) << what;
+        sync();
+        EXPECT_LE(rel_l2(y3.get().data(), wantf.data(), wantf.size()), tol) << what << " fused";
+        // Two weights in one launch: the second is a 40-row weight on the same activations.
+        HostLinear h2 = make_linear(t, 40, c.in, 5);
+        const Linear d2 = to_device(*cuda, h2.lin);
+        std::vector<float> want2(size_t(m * 40));
+        ref->linear(x.data(), m, h2.lin, want2.data());
+        Dev z1(*cuda, want1.size()), z2(*cuda, want2.size());
+        ASSERT_TRUE(cuda::tcv_gemv2(L, w1, z1.p, dev_linear_of(d2, 40, c.in), z2.p, xd.p, m)) << what;
+        sync();
+        EXPECT_LE(rel_l2(z1.get().data(), want1.data(), want1.size()), tol) << what << " pair first";
+        EXPECT_LE(rel_l2(z2.get().data(), want2.data(), want2.size()), tol) << what << " pair second";
+      }
+    }
+    // Gathered rows of a wider buffer: token j reads row idx[j] of x [5, in + 8].
+    {
+      const int64_t out = 200, in = 512, ldx = in + 8, m = 3;
+      HostLinear h = make_linear(t, out, in, 77);
+      const Linear d = to_device(*cuda, h.lin);
+      std::vector<float> xb = randn(size_t(5 * ldx), 78), xg(size_t(m * in));
+      const std::vector<float> idx_f = {4, 0, 2};
+      for (int64_t j = 0; j < m; ++j)
+        std::copy_n(xb.begin() + int64_t(idx_f[size_t(j)]) * ldx, in, xg.begin() + j * in);
+      std::vector<float> want(size_t(m * out));
+      ref->linear(xg.data(), m, h.lin, want.data());
+      int32_t* idx = nullptr;
+      ASSERT_EQ(cudaMalloc(&idx, 3 * sizeof(int32_t)), cudaSuccess);
+      const int32_t idx_h[3] = {4, 0, 2};
+      ASSERT_EQ(cudaMemcpy(idx, idx_h, sizeof(idx_h), cudaMemcpyHostToDevice), cudaSuccess);
+      Dev xd(*cuda, xb), yd(*cuda, want.size());
+      ASSERT_TRUE(cuda::tcv_gemv(L, dev_linear_of(d, out, in), nullptr, xd.p, ldx, idx, m, yd.p, out, 1, {}));
+      sync();
+      EXPECT_LE(rel_l2(yd.get().data(), want.data(), want.size()), tol) << dtype_name(t) << " gathered";
+      cudaFree(idx);
+    }
+    // Batched heads: head b uses weight rows [b * 256, b * 256 + 128), x and y shifted.
+    {
+      const int64_t H = 3, V = 128, C = 256, m = 2;
+      HostLinear h = make_linear(t, H * 256, C, 31);
+      const Linear d = to_device(*cuda, h.lin);
+      std::vector<float> x = randn(size_t(m * H * C), 32), want(size_t(m * H * V));
+      for (int64_t b = 0; b < H; ++b) {
+        HostLinear hb = make_linear(t, V, C, 1);  // the head's rows, copied from h
+        for (int64_t r = 0; r < V; ++r)
+          for (int64_t k = 0; k < C; ++k) {
+            const size_t src = size_t((b * 256 + r) * C + k), dst = size_t(r * C + k);
+            if (fp8) hb.q[dst] = h.q[src];
+            else hb.bf16[dst] = h.bf16[src];
+          }
+        if (fp8)
+          for (int64_t r = 0; r < 1; ++r)
+            for (int64_t k = 0; k < 2; ++k) hb.scale[size_t(k)] = h.scale[size_t((b * 2) * 2 + k)];
+        std::vector<float> xb(size_t(m * C)), yb(size_t(m * V));
+        for (int64_t j = 0; j < m; ++j) std::copy_n(x.begin() + (j * H + b) * C, C, xb.begin() + j * C);
+        ref->linear(xb.data(), m, hb.lin, yb.data());
+        for (int64_t j = 0; j < m; ++j) std::copy_n(yb.begin() + j * V, V, want.begin() + (j * H + b) * V);
+      }
+      DevLinear w = dev_linear_of(d, V, C);
+      w.ld = C;
+      cuda::GemvShift sh;
+      sh.xs = C, sh.ys = V, sh.wrows = 256;
+      Dev xd(*cuda, x), yd(*cuda, want.size());
+      ASSERT_TRUE(cuda::tcv_gemv(L, w, nullptr, xd.p, H * C, nullptr, m, yd.p, H * V, int(H), sh));
+      sync();
+      EXPECT_LE(rel_l2(yd.get().data(), want.data(), want.size()), tol) << dtype_name(t) << " heads";
+    }
+  }
+  // Refused: K off the iteration size, float32 weights, too many tokens, FP8 tiles off a block.
+  {
+    HostLinear hb = make_linear(DType::BF16, 64, 96, 1), hf = make_linear(DType::F32, 64, 128, 2),
+               h8 = make_linear(DType::F8_E4M3, 64, 192, 3);
+    const Linear db = to_device(*cuda, hb.lin), df = to_device(*cuda, hf.lin), d8 = to_device(*cuda, h8.lin);
+    Dev xd(*cuda, randn(size_t(9 * 256), 4)), yd(*cuda, size_t(9 * 64));
+    EXPECT_FALSE(cuda::tcv_gemv(L, dev_linear_of(db, 64, 96), nullptr, xd.p, 96, nullptr, 1, yd.p, 64, 1, {}));
+    EXPECT_FALSE(cuda::tcv_gemv(L, dev_linear_of(df, 64, 128), nullptr, xd.p, 128, nullptr, 1, yd.p, 64, 1, {}));
+    EXPECT_FALSE(cuda::tcv_gemv(L, dev_linear_of(d8, 64, 192), nullptr, xd.p, 192, nullptr, 1, yd.p, 64, 1, {}));
+    HostLinear hk = make_linear(DType::BF16, 64, 128, 5);
+    const Linear dk = to_device(*cuda, hk.lin);
+    EXPECT_FALSE(cuda::tcv_gemv(L, dev_linear_of(dk, 64, 128), nullptr, xd.p, 128, nullptr, 9, yd.p, 64, 1, {}));
+    DevLinear off = dev_linear_of(dk, 60, 128);
+    off.row0 = 4;  // bf16: any row start
+    EXPECT_TRUE(cuda::tcv_gemv(L, off, nullptr, xd.p, 128, nullptr, 1, yd.p, 64, 1, {}));
+    HostLinear h8b = make_linear(DType::F8_E4M3, 64, 256, 6);
+    const Linear d8b = to_device(*cuda, h8b.lin);
+    DevLinear off8 = dev_linear_of(d8b, 60, 256);
+    off8.row0 = 4;  // e4m3: 16-row tiles must stay inside a 128-row scale block
+    EXPECT_FALSE(cuda::tcv_gemv(L, off8, nullptr, xd.p, 256, nullptr, 1, yd.p, 64, 1, {}));
+    cuda::Launch off_l;  // tcv_max 0: off
+    EXPECT_FALSE(cuda::tcv_gemv(off_l, dev_linear_of(dk, 64, 128), nullptr, xd.p, 128, nullptr, 1, yd.p, 64, 1, {}));
+    off_l.tcv_max = 8;  // bf16 only when asked
+    EXPECT_FALSE(cuda::tcv_gemv(off_l, dev_linear_of(dk, 64, 128), nullptr, xd.p, 128, nullptr, 1, yd.p, 64, 1, {}));
+    sync();
+  }
+}
+
 // Two linears on the same activations share one GEMV launch (the first waits for the next op):
 // both outputs match the ref backend; a linear on other activations, an rmsnorm or an add in
 // between each run the waiting one first (its output is read right after).
@@ -402,6 +549,53 @@ TEST(CudaOps, MlpAndMoeMatchRef) {
           }
           EXPECT_GE(run, K) << c << " n=" << n;
           EXPECT_LE(run, std::min<int64_t>(n * K, W.a.n_routed_experts)) << c << " n=" << n;
+        }
+      }
+    }
+  }
+}
+
+// A MoE layer whose shapes the tensor-core GEMV takes (K a multiple of 128, FP8 shared slices on
+// scale blocks), built from random host linears: the decode expert paths (FMA or tensor-core
+// GEMVs) against the ref backend.
+TEST(CudaOps, MoeDecodePathsMatchRef) {
+  REQUIRE_GPU();
+  auto ref = make_ref_backend();
+  ModelArgs a;
+  a.dim = 256, a.moe_inter_dim = 128, a.n_routed_experts = 8, a.n_activated_experts = 2, a.n_shared_experts = 2;
+  a.n_layers = 1, a.n_dense_layers = 0;
+  for (DType t : {DType::BF16, DType::F8_E4M3}) {
+    std::vector<HostLinear> keep;
+    keep.reserve(3 * 9 + 1);
+    auto lin = [&](int64_t out, int64_t in) -> Linear {
+      keep.push_back(make_linear(t, out, in, uint32_t(keep.size() * 17 + 3)));
+      return keep.back().lin;
+    };
+    ModelWeights host;
+    host.layers.resize(1);
+    LayerWeights& L = host.layers[0];
+    L.moe = true;
+    for (int e = 0; e < a.n_routed_experts; ++e) L.moe_w.experts.push_back({lin(128, 256), lin(256, 128), lin(128, 256)});
+    L.moe_w.shared_experts = {lin(256, 256), lin(256, 256), lin(256, 256)};
+    L.moe_w.has_shared = true;
+    keep.push_back(make_linear(DType::BF16, a.n_routed_experts, a.dim, 4242));
+    L.moe_w.gate = keep.back().lin.weight;
+    for (int path = 0; path < 3; ++path) {  // 0: default (tensor cores for e4m3), 1: bf16 too, 2: FMA only
+      {
+        CudaOptions o = opts();
+        o.tc_gemv_bf16 = path == 1;
+        if (path == 2) o.tc_gemv_max = 0;
+        auto cuda = make_cuda_backend(o);
+        ModelWeights dev = host;
+        cuda->prepare_weights(a, dev);
+        for (int64_t n : {1, 3, 8}) {
+          const std::vector<float> x = randn(size_t(n * a.dim), uint32_t(n + 50));
+          std::vector<float> want(x.size());
+          ref->moe(a, host.layers[0].moe_w, x.data(), n, want.data());
+          Dev xd(*cuda, x), yd(*cuda, x.size());
+          cuda->moe(a, dev.layers[0].moe_w, xd.p, n, yd.p);
+          EXPECT_LE(rel_l2(yd.get().data(), want.data(), want.size()), 5e-6)
+              << dtype_name(t) << " n=" << n << " path " << path;
         }
       }
     }

@@ -53,6 +53,8 @@ CudaOptions CudaOptions::from_env() {
   o.fp8_wgmma = env_flag("DSV3_CUDA_FP8_WGMMA", o.fp8_wgmma);
   o.decode_attn = env_flag("DSV3_CUDA_DECODE_ATTN", o.decode_attn);
   o.pair_gemv = env_flag("DSV3_CUDA_PAIR_GEMV", o.pair_gemv);
+  o.tc_gemv_max = env_int("DSV3_CUDA_TC_GEMV_MAX", o.tc_gemv_max);
+  o.tc_gemv_bf16 = env_flag("DSV3_CUDA_TC_GEMV_BF16", o.tc_gemv_bf16);
   o.progress = env_flag("DSV3_CUDA_PROGRESS", isatty(2) != 0);
   o.profile = env_flag("DSV3_CUDA_PROFILE", o.profile);
   return o;
@@ -155,6 +157,7 @@ struct MoeTable {
   bool gemm = false;          // every expert fits the tensor-core kernel
   bool tc = false;            // every expert fits the pipelined kernel (tc_takes)
   bool k64 = false;           // ... with every K a multiple of 64 (its wgmma form)
+  bool tcv = false;           // every expert fits the tensor-core GEMV (cuda::tcv_ok)
 };
 
 enum Slot {
@@ -174,6 +177,8 @@ class CudaBackend final : public Backend {
     CK(cudaGetDeviceProperties(&prop, dev));
     L_.stream = stream_;
     L_.pdl = opt_.pdl && prop.major >= 9;
+    L_.tcv_max = prop.major >= 8 ? opt_.tc_gemv_max : 0;  // mma.sync bf16 / f16: sm_80+
+    L_.tcv_bf16 = opt_.tc_gemv_bf16;
     wgmma_ = opt_.wgmma && prop.major == 9;  // sm_90a code: Hopper only
     CK(cudaMallocHost(&staging_, kStagingBytes));
     // [gate + router][decode attention: kAttnCounters][pad][experts run: 8 bytes, 8-byte aligned]
@@ -525,6 +530,7 @@ class CudaBackend final : public Backend {
     r.sigmoid = a.score_func != "softmax", r.norm = a.norm_topk_prob, r.route_scale = a.route_scale;
     const float* bias = w.bias.empty() ? nullptr : w.bias.as<float>();
     const DevLinear gate = dev_linear(Linear{w.gate, {}});
+    const int64_t P = s.P(), D = a.dim;
     if (n <= std::min(opt_.gemv_max, 8) && gate.t != cuda::kFP8 && !(use_tc(n) && tc_takes(gate))) {
       cuda::gate_route(L_, gate, x, n, logits, r, bias, s, counter_);
     } else {
@@ -533,7 +539,6 @@ class CudaBackend final : public Backend {
       cuda::moe_route(L_, r, logits, bias, s, nullptr, nullptr);
     }
     mark("moe.experts");
-    const int64_t P = s.P(), D = a.dim;
     float* o = f32(kMoeO, size_t(P * D));
     if (tc) {
       cuda::TcJob j0 = split_input(x, n, D, fast_at(n));
@@ -550,9 +555,12 @@ class CudaBackend final : public Backend {
       j1.c = o, j1.ldc = D;
       cuda::tc_gemm(L_, j1, s.max_tiles(), T.rows2);
     } else if (n <= opt_.gemv_max || !T.gemm) {
+      // GEMVs: on tensor cores where they take the experts (tcv_moe), else the FMA kernels.
       float* h = f32(kMoeH, size_t(P * T.rows13));
-      cuda::moe_gemv(L_, 0, T.dev, T.rows13, T.wtype, s, x, D, h, T.rows13);
-      cuda::moe_gemv(L_, 1, T.dev, T.rows2, T.wtype, s, h, T.rows13, o, D);
+      if (!(T.tcv && cuda::tcv_moe(L_, 0, T.dev, T.rows13, D, T.wtype, s, x, D, h, T.rows13)))
+        cuda::moe_gemv(L_, 0, T.dev, T.rows13, T.wtype, s, x, D, h, T.rows13);
+      if (!(T.tcv && cuda::tcv_moe(L_, 1, T.dev, T.rows2, T.rows13, T.wtype, s, h, T.rows13, o, D)))
+        cuda::moe_gemv(L_, 1, T.dev, T.rows2, T.wtype, s, h, T.rows13, o, D);
     } else {
       float* h = f32(kMoeH, size_t(P * 2 * T.rows13));
       cuda::moe_gemm(L_, 0, T.dev, T.rows13, T.wtype, s, x, D, T.rows13, h, 2 * T.rows13, fast_at(n));
@@ -856,9 +864,11 @@ class CudaBackend final : public Backend {
     T.gemm = true;
     T.tc = true;
     T.k64 = true;
+    T.tcv = true;
     for (DevExpert& e : v) {
       for (const DevLinear* l : {&e.w1, &e.w3, &e.w2}) {
         if (l->t != T.wtype) fail("CUDA backend: MoE layer mixes weight dtypes");
+        T.tcv = T.tcv && cuda::tcv_ok(*l);
         T.gemm = T.gemm && cuda::gemm_ok(*l) && l->t != cuda::kF32;
         T.tc = T.tc && tc_takes(*l);
         T.k64 = T.k64 && l->cols % 64 == 0;

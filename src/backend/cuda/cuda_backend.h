@@ -22,6 +22,10 @@ struct CudaOptions {
                            // (and a split reduction) as separate kernels (DSV3_CUDA_DECODE_ATTN=0)
   bool pair_gemv = true; // two GEMVs on the same activations (wq and wkv_a at decode) in one launch
                          // (DSV3_CUDA_PAIR_GEMV=0: one launch each)
+  int tc_gemv_max = 8;  // GEMVs (linears, MoE experts) of up to this many tokens on tensor cores where the
+                        // weights fit (kernels_tcgemv.cu; DSV3_CUDA_TC_GEMV_MAX, 0: the FMA kernels only)
+  bool tc_gemv_bf16 = false; // ... for bf16 weights too (DSV3_CUDA_TC_GEMV_BF16=1); default e4m3 only: on the
+                             // H200 the FMA GEMV streams bf16 faster (4.2 vs 3.2 TB/s on the head)
   int attn_chunk = 512; // queries per chunk of the cuBLAS long-run attention (DSV3_CUDA_ATTN_CHUNK)
   int tc_tm = 64;       // rows per tile of the pipelined kernel: 64 or 128 (DSV3_CUDA_TC_TM)
   int fast_min = 64;    // fast mode only for steps of at least this many tokens (DSV3_CUDA_FAST_MIN)

@@ -40,7 +40,12 @@ struct DevPos {  // same layout as dsv3::TokenPos
 struct Launch {
   cudaStream_t stream = nullptr;
   bool pdl = false;
+  int tcv_max = 0;        // GEMVs of up to this many tokens on tensor cores where they fit (kernels_tcgemv.cu); 0: off
+  bool tcv_bf16 = false;  // ... for bf16 weights too (else e4m3 only)
 };
+
+// Multiprocessors of the current device (queried once; 132 if the query fails).
+int device_sms();
 
 // Throws dsv3::Error with the call's text and file:line when a CUDA call fails.
 void check(cudaError_t e, const char* what, const char* file, int line);
@@ -80,6 +85,17 @@ void gemv(const Launch& L, const DevLinear& w, const DevLinear* w3, const float*
 // 16-byte rows and x.
 bool gemv2_ok(const DevLinear& w, const DevLinear& w2, const float* x, int64_t m);
 void gemv2(const Launch& L, const DevLinear& w, float* y, const DevLinear& w2, float* y2, const float* x, int64_t m);
+
+// ---- the same products of m <= 8 tokens on tensor cores (kernels_tcgemv.cu); gemv, gemv2 and
+// the backend's MoE try these first. Each returns false (launching nothing) where it does not
+// apply: m > L.tcv_max, bf16 weights without L.tcv_bf16, weights that are not bf16 / e4m3 with K
+// a multiple of 64 / 128 (e4m3:
+// columns and row tiles on scale blocks), unaligned activations, or too little shared memory.
+bool tcv_ok(const DevLinear& w);
+bool tcv_gemv(const Launch& L, const DevLinear& w, const DevLinear* w3, const float* x, int64_t ldx,
+              const int32_t* idx, int64_t m, float* y, int64_t ldy, int batch, GemvShift shift);
+bool tcv_gemv2(const Launch& L, const DevLinear& w, float* y, const DevLinear& w2, float* y2, const float* x,
+               int64_t m);
 
 // ---- tensor-core GEMM for many tokens (kernels_gemm.cu)
 // C[i, col + r] = A_i · W[r] for i < M, r < W.rows over K = W.cols, where A_i is
@@ -189,6 +205,10 @@ void moe_route(const Launch& L, const RouteArgs& r, const float* logits, const f
 // `table` [NE] on the device; max_rows = largest w1.rows (stage 0) or w2.rows (stage 1).
 void moe_gemv(const Launch& L, int stage, const DevExpert* table, int64_t max_rows, int32_t wtype, const MoeSched& s,
               const float* in, int64_t ldin, float* out, int64_t ldout);
+// moe_gemv on tensor cores (kernels_tcgemv.cu; K = ldin); false where it does not apply (as
+// tcv_gemv). Every expert of `table` must satisfy tcv_ok.
+bool tcv_moe(const Launch& L, int stage, const DevExpert* table, int64_t max_rows, int64_t K, int32_t wtype,
+             const MoeSched& s, const float* in, int64_t ldin, float* out, int64_t ldout);
 // The tensor-core form: stage 0 writes w1 · x at column 0 and w3 · x at column `half` of
 // h [P, 2 * half]; stage 1 reads silu(h[p, k]) * h[p, half + k].
 void moe_gemm(const Launch& L, int stage, const DevExpert* table, int64_t max_rows, int32_t wtype, const MoeSched& s,

@@ -22,14 +22,6 @@ __host__ __device__ constexpr int chunk_elems() { return WT == kBF16 ? 8 : (WT =
 template <int WT>
 __host__ __device__ constexpr int elem_bytes() { return WT == kBF16 ? 2 : (WT == kFP8 ? 1 : 4); }
 
-__device__ __forceinline__ uint4 ld_stream(const uint4* p) {
-  uint4 r;
-  asm("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
-      : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
-      : "l"(p));
-  return r;
-}
-
 // Weights of one 16-byte chunk as floats (unscaled for FP8).
 template <int WT>
 __device__ __forceinline__ void decode(const uint4& v, float* w) {
@@ -350,31 +342,14 @@ __global__ void __launch_bounds__(kWarps * 32, 2) gemv_kernel(Job J, GemvShift s
   pdl_trigger();
 }
 
-// blockIdx.y: the shared-expert slices first (known before routing: their weights are loaded
-// while the router runs), then the routed experts in the active list.
+// blockIdx.y: an expert slot (expert_slot).
 template <int WT, int NT>
 __global__ void __launch_bounds__(kWarps * 32, 2) moe_gemv_kernel(int stage, const DevExpert* __restrict__ table,
                                                                   MoeSched s, const float* in, int64_t ldin, bool xvec,
                                                                   float* out, int64_t ldout) {
-  const int y = blockIdx.y;
-  // Stage 1 runs after stage 0 has passed its wait, so the router's schedule is complete: read it
-  // (from L2) and start on the weights before waiting for stage 0's output.
-  const bool early = y < s.S || stage == 1;
-  if (!early) pdl_wait();
   int e;
   int64_t off, cnt;
-  if (y < s.S) {  // shared slice y: every token, after all routed pairs (no schedule read needed)
-    e = s.E + y, off = s.n * s.K + y * s.n, cnt = s.n;
-  } else {
-    const int na = __ldcg(s.n_active) - s.S;
-    if (y - s.S >= na) {
-      pdl_wait();
-      pdl_trigger();
-      return;
-    }
-    e = __ldcg(s.active + (y - s.S));
-    off = __ldcg(s.off + e), cnt = __ldcg(s.cnt + e);
-  }
+  if (!expert_slot(s, stage, blockIdx.y, e, off, cnt)) return;
   const DevExpert& X = table[e];
   Job J;
   if (stage == 0) {
@@ -416,26 +391,21 @@ __global__ void __launch_bounds__(kWarps * 32, 2) gate_route_kernel(Job J, Route
   if (last) {
     __threadfence();
     const int warp = threadIdx.x >> 5;
-    for (int64_t i = warp; i < s.n; i += kWarps)
-      route_token_warp(ra, J.y, bias, s, i, sc_s[warp], ch_s[warp], gs_s[warp], nullptr, nullptr);
-    __syncthreads();
-    group_pairs(s, true);
+    if (s.n == 1) {  // one token: its warp writes the schedule (no block-wide grouping)
+      if (warp == 0) route_token_warp(ra, J.y, bias, s, 0, sc_s[0], ch_s[0], gs_s[0], nullptr, nullptr, true);
+    } else {
+      for (int64_t i = warp; i < s.n; i += kWarps)
+        route_token_warp(ra, J.y, bias, s, i, sc_s[warp], ch_s[warp], gs_s[warp], nullptr, nullptr);
+      __syncthreads();
+      group_pairs(s, true);
+    }
     if (threadIdx.x == 0) *counter = 0;
   }
 }
 
 bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
 
-int g_sms = 0;
-int sms() {
-  if (!g_sms) {
-    int dev = 0;
-    cudaGetDevice(&dev);
-    cudaDeviceGetAttribute(&g_sms, cudaDevAttrMultiProcessorCount, dev);
-    if (g_sms <= 0) g_sms = 132;
-  }
-  return g_sms;
-}
+int sms() { return device_sms(); }
 
 // Blocks for `groups` row groups: every group its own warp when that fits in two blocks per SM,
 // else two blocks per SM whose warps loop (the streaming path pipelines across groups).
@@ -462,6 +432,16 @@ void dispatch_nt(const Launch& L, const Job& J, int batch, GemvShift sh) {
 
 }  // namespace
 
+int device_sms() {
+  static const int n = [] {
+    int dev = 0, v = 0;
+    cudaGetDevice(&dev);
+    cudaDeviceGetAttribute(&v, cudaDevAttrMultiProcessorCount, dev);
+    return v > 0 ? v : 132;
+  }();
+  return n;
+}
+
 // Whether a weight rectangle can be read in 16-byte chunks.
 bool vec_ok(const DevLinear& w) {
   const int ce = w.t == kBF16 ? 8 : (w.t == kFP8 ? 16 : 4);
@@ -471,6 +451,7 @@ bool vec_ok(const DevLinear& w) {
 void gemv(const Launch& L, const DevLinear& w, const DevLinear* w3, const float* x, int64_t ldx, const int32_t* idx,
           int64_t m, float* y, int64_t ldy, int batch, GemvShift shift) {
   if (m <= 0 || w.rows <= 0) return;
+  if (tcv_gemv(L, w, w3, x, ldx, idx, m, y, ldy, batch, shift)) return;
   Job J;
   J.a = w;
   J.fused = w3 != nullptr;
@@ -489,6 +470,7 @@ void gemv(const Launch& L, const DevLinear& w, const DevLinear* w3, const float*
 
 void gemv2(const Launch& L, const DevLinear& w, float* y, const DevLinear& w2, float* y2, const float* x, int64_t m) {
   DSV3_CHECK(gemv2_ok(w, w2, x, m), "gemv2: weights that cannot share one launch");
+  if (tcv_gemv2(L, w, y, w2, y2, x, m)) return;
   Job J;
   J.a = J.b = w;
   J.fused = false;

@@ -25,9 +25,11 @@ __device__ __forceinline__ void warp_best(float& v, int& i) {
 
 // Warp `lane`s route token i (gate.cc's choices) and write its K experts, by expert index, as
 // ids into pair_of[i, :K] with their weights in pw (the grouping turns ids into pair rows).
+// direct (a step of one token): the warp writes the whole schedule itself instead (what
+// group_pairs would: pair row = rank, the shared slices after the routed experts).
 __device__ void route_token_warp(const RouteArgs& ra, const float* __restrict__ logits, const float* __restrict__ bias,
                                  const MoeSched& s, int64_t i, float* sc, float* ch, float* gs, int32_t* topk_idx,
-                                 float* topk_w) {
+                                 float* topk_w, bool direct = false) {
   const int E = s.E, K = s.K, Kt = s.K + s.S, G = ra.G, per = E / G, lane = threadIdx.x & 31;
   constexpr int kPer = kMaxE / 32;  // experts per lane at most
   const int nj = (E + 31) / 32;     // ... and for this E (the loops below skip the rest)
@@ -132,9 +134,23 @@ __device__ void route_token_warp(const RouteArgs& ra, const float* __restrict__ 
     const unsigned msk = __ballot_sync(0xffffffffu, mine);
     if (mine) {
       const int rank = base + __popc(msk & ((1u << lane) - 1u)), e = lane + 32 * j;
-      s.pair_of[i * Kt + rank] = e, s.pw[i * Kt + rank] = weight_of(sc[e]);
+      s.pair_of[i * Kt + rank] = direct ? rank : e, s.pw[i * Kt + rank] = weight_of(sc[e]);
+      if (direct) {
+        s.active[rank] = e, s.off[e] = rank, s.cnt[e] = 1, s.perm[rank] = 0;
+        s.tile_e[rank] = e, s.tile_m0[rank] = 0;
+      }
     }
     base += __popc(msk);
+  }
+  if (direct && lane < s.S) {  // shared slice `lane`: pair row K + lane, one tile
+    const int e = s.E + lane, p = s.K + lane;
+    s.active[p] = e, s.off[e] = p, s.cnt[e] = 1, s.perm[p] = 0;
+    s.tile_e[p] = e, s.tile_m0[p] = 0;
+    s.pair_of[p] = p, s.pw[p] = 1.f;
+  }
+  if (direct && lane == 0) {
+    *s.n_active = s.K + s.S, *s.n_tiles = s.K + s.S;
+    if (s.experts_run) atomicAdd(s.experts_run, (unsigned long long)s.K);
   }
   __syncwarp();
 }
@@ -188,6 +204,29 @@ __device__ void group_pairs(const MoeSched& s, bool tiles) {
       s.pw[i * Kt + K + j] = 1.f;
     }
   }
+}
+
+// The expert of slot y (blockIdx.y) of an expert launch: the shared slices first (known before
+// routing: their weights load while the router runs), then the routed experts of the active
+// list. Stage 1 runs after stage 0 has passed its wait, so the router's schedule is complete
+// then: it is read (from L2) and the weights started on before waiting for stage 0's output.
+// false: no expert in this slot (the block has waited and triggered; it leaves).
+__device__ __forceinline__ bool expert_slot(const MoeSched& s, int stage, int y, int& e, int64_t& off, int64_t& cnt) {
+  const bool early = y < s.S || stage == 1;
+  if (!early) pdl_wait();
+  if (y < s.S) {  // shared slice y: every token, after all routed pairs (no schedule read needed)
+    e = s.E + y, off = s.n * s.K + y * s.n, cnt = s.n;
+    return true;
+  }
+  const int na = __ldcg(s.n_active) - s.S;
+  if (y - s.S >= na) {
+    pdl_wait();
+    pdl_trigger();
+    return false;
+  }
+  e = __ldcg(s.active + (y - s.S));
+  off = __ldcg(s.off + e), cnt = __ldcg(s.cnt + e);
+  return true;
 }
 
 }  // namespace

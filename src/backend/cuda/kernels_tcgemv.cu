@@ -1,0 +1,486 @@
+// Products of a few tokens (decode) on tensor cores. A warp takes 16 weight rows and a range of
+// K, streams them from global memory straight into mma.sync A fragments (bf16 as stored, e4m3
+// widened to f16 exactly, its 128x128 block scale applied per 128-K partial product), and takes
+// the activations as B fragments (one token per MMA column, up to 8) from shared memory, where
+// each block first splits them once: into three bf16 parts (hi + mid + lo: 24 bits) for bf16
+// weights, into two f16 parts of the activations times a power of two per token for e4m3
+// weights. float32 accumulation throughout: float32-grade products with ~16x fewer instructions
+// per weight byte than the FMA GEMVs (kernels_gemv.cu), whose place this takes where it fits.
+//
+// Fragment layout (m16n8k16): lane l = 4 g + c holds rows g and g + 8 of A and token column g of
+// B. An iteration covers 128 bytes of each row; lane c loads two 16-byte pieces of its two rows
+// (see act_off). The k order inside an MMA is thereby permuted, the same way for A and B, which
+// a dot product does not see: MMA step j of an iteration takes the lane's values 4j .. 4j + 3.
+#include <algorithm>
+#include <cstdlib>
+#include <mutex>
+#include <unordered_map>
+
+#include "backend/cuda/common.cuh"
+#include "backend/cuda/mma.cuh"
+#include "backend/cuda/moe_route.cuh"
+#include "core/error.h"
+
+namespace dsv3::cuda {
+namespace {
+
+constexpr int kTW = 8;  // warps per block
+
+template <int WT>
+struct Tcv;
+template <>
+struct Tcv<kBF16> {
+  static constexpr int KI = 64;     // K per iteration: 128 bytes of a row
+  static constexpr int PARTS = 3;   // bf16 parts per activation
+  static constexpr int PAD = 16;    // bytes after each token's row of a part (S = 16 mod 128)
+};
+template <>
+struct Tcv<kFP8> {
+  static constexpr int KI = 128;    // one scale block
+  static constexpr int PARTS = 2;   // f16 parts
+  static constexpr int PAD = 32;    // S = 32 mod 128, with the unit swizzle below
+};
+
+struct TcvJob {
+  DevLinear a, b, c;  // b: w3 (fused SwiGLU); c: a second weight whose tiles follow a's (rows 0: none)
+  const float* x = nullptr;
+  int64_t ldx = 0;
+  const int32_t* idx = nullptr;  // token t's row is x + (idx ? idx[t] : t) * ldx
+  int m = 0;                     // tokens, <= 8
+  float* y = nullptr;
+  int64_t ldy = 0;
+  float* y2 = nullptr;
+  int64_t ldy2 = 0;
+  int ks = 1;  // warps per 16-row tile (each a range of K): 1, 2, 4 or 8
+};
+
+template <int WT>
+__host__ __device__ constexpr int64_t row_bytes(int64_t K) {  // one token's row of one part in shared memory
+  return 2 * K + Tcv<WT>::PAD;
+}
+// Byte offset of activation k (a multiple of 4) inside a token's row. Lane c's weight bytes of
+// an iteration are [16c, 16c + 16) and [64 + 16c, 64 + 16c + 16) of the row's 128 (two loads
+// that each cover 64 contiguous bytes over the four lanes); its activations for those k are
+// 16-byte units 4c .. 4c + 3 (e4m3: 8 f16 each, units 0-1 from the first load, 2-3 from the
+// second; lanes 2 and 3 swap them pairwise so the four lanes of a token hit distinct banks)
+// or 2c .. 2c + 1 (bf16: 8 values each).
+template <int WT>
+__device__ __forceinline__ int64_t act_off(int64_t k) {
+  if constexpr (WT == kBF16) {
+    const int64_t i = k >> 6, kl = k & 63, c = (kl & 31) >> 3, u = kl >> 5;
+    return 128 * i + 16 * (2 * c + u) + 2 * (kl & 7);
+  } else {
+    const int64_t i = k >> 7, kl = k & 127, c = (kl & 63) >> 4, u = 2 * (kl >> 6) + ((kl >> 3) & 1);
+    return 256 * i + 16 * (4 * c + (u ^ ((c >> 1) & 1))) + 2 * (kl & 7);
+  }
+}
+
+__device__ __forceinline__ uint32_t pack_h2(float a, float b) {
+  const __half2 h = __floats2half2_rn(a, b);
+  return *reinterpret_cast<const uint32_t*>(&h);
+}
+__device__ __forceinline__ uint32_t pack_b2(float a, float b) {
+  const __nv_bfloat162 h = __floats2bfloat162_rn(a, b);
+  return *reinterpret_cast<const uint32_t*>(&h);
+}
+__device__ __forceinline__ float lo_b(uint32_t v) { return __uint_as_float(v << 16); }
+__device__ __forceinline__ float hi_b(uint32_t v) { return __uint_as_float(v & 0xffff0000u); }
+__device__ __forceinline__ float2 h2f(uint32_t v) {
+  return __half22float2(*reinterpret_cast<const __half2*>(&v));
+}
+__device__ __forceinline__ uint32_t e4m3x2_h2(uint32_t v) {  // low byte -> low half; exact
+  const __half2_raw h = __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(v & 0xffffu), __NV_E4M3);
+  return uint32_t(h.x) | (uint32_t(h.y) << 16);
+}
+
+// The block's m activation rows into shared memory as PARTS parts [part][token][row_bytes];
+// for e4m3 weights also each token's power-of-two multiplier (tmul: the product's factor back).
+template <int WT>
+__device__ void stage_x(const TcvJob& J, int64_t K, char* act, float* tmul, unsigned* amax) {
+  const int64_t S = row_bytes<WT>(K), q4 = K / 4, total = int64_t(J.m) * q4, PS = int64_t(J.m) * S;
+  auto row = [&](int t) { return J.x + (J.idx ? int64_t(J.idx[t]) : int64_t(t)) * J.ldx; };
+  if constexpr (WT == kFP8) {
+    if (threadIdx.x < 8) amax[threadIdx.x] = 0u;
+    __syncthreads();
+    for (int64_t f0 = 0; f0 < total; f0 += blockDim.x) {  // a warp's 32 float4 share a token (K % 128 == 0)
+      const int64_t f = f0 + threadIdx.x;
+      float mx = 0.f;
+      int t = 0;
+      if (f < total) {
+        t = int(f / q4);
+        const float4 v = __ldg(reinterpret_cast<const float4*>(row(t)) + f % q4);
+        mx = fmaxf(fmaxf(fabsf(v.x), fabsf(v.y)), fmaxf(fabsf(v.z), fabsf(v.w)));
+      }
+      mx = warp_max(mx);
+      if ((threadIdx.x & 31) == 0 && f < total) atomicMax(amax + t, __float_as_uint(mx));
+    }
+    __syncthreads();
+    if (threadIdx.x < J.m) {
+      int e = 0;
+      frexpf(__uint_as_float(amax[threadIdx.x]), &e);  // amax * 2^-e < 1 (0: e = 0)
+      tmul[threadIdx.x] = ldexpf(1.f, max(-100, min(e, 100)));
+    }
+    __syncthreads();
+  }
+  for (int64_t f = threadIdx.x; f < total; f += blockDim.x) {
+    const int t = int(f / q4);
+    const int64_t k = 4 * (f % q4);
+    float4 v = __ldg(reinterpret_cast<const float4*>(row(t)) + f % q4);
+    char* base = act + t * S + act_off<WT>(k);
+    if constexpr (WT == kFP8) {
+      const float inv = 1.f / tmul[t];  // a power of two: exact
+      v.x *= inv, v.y *= inv, v.z *= inv, v.w *= inv;
+      const uint32_t h0 = pack_h2(v.x, v.y), h1 = pack_h2(v.z, v.w);
+      const float2 g0 = h2f(h0), g1 = h2f(h1);
+      *reinterpret_cast<uint2*>(base) = make_uint2(h0, h1);
+      *reinterpret_cast<uint2*>(base + PS) = make_uint2(pack_h2(v.x - g0.x, v.y - g0.y), pack_h2(v.z - g1.x, v.w - g1.y));
+    } else {
+      const uint32_t h0 = pack_b2(v.x, v.y), h1 = pack_b2(v.z, v.w);
+      const float r0 = v.x - lo_b(h0), r1 = v.y - hi_b(h0), r2 = v.z - lo_b(h1), r3 = v.w - hi_b(h1);
+      const uint32_t m0 = pack_b2(r0, r1), m1 = pack_b2(r2, r3);
+      *reinterpret_cast<uint2*>(base) = make_uint2(h0, h1);
+      *reinterpret_cast<uint2*>(base + PS) = make_uint2(m0, m1);
+      *reinterpret_cast<uint2*>(base + 2 * PS) =
+          make_uint2(pack_b2(r0 - lo_b(m0), r1 - hi_b(m0)), pack_b2(r2 - lo_b(m1), r3 - hi_b(m1)));
+    }
+  }
+}
+
+__device__ __forceinline__ uint32_t word(const uint4& v, int i) { return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w; }
+
+// One iteration's MMAs of NM weights on the same activations: w[4 q .. 4 q + 1] = 32 bytes of
+// row g of weight q, w[4 q + 2 .. 4 q + 3] of row g + 8; bp = the lane's B bytes of this
+// iteration in part 0 (parts PS apart, units swizzled by sw), zeros without a token. The B units
+// are read one at a time (the registers go to the weights in flight).
+template <int WT, int NM>
+__device__ __forceinline__ void mma_iter(const uint4* w, const char* bp, int64_t PS, int sw, bool has_tok,
+                                         float (&acc)[NM][4], const float (&scale)[NM]) {
+  constexpr int PARTS = Tcv<WT>::PARTS, NU = WT == kFP8 ? 4 : 2;
+  // A fresh partial per iteration, added to acc in float32: the tensor cores' accumulation
+  // truncates, so a long K accumulated in the MMAs drifts (measured: 3e-6 relative over 3072).
+  float t[NM][4];
+#pragma unroll
+  for (int q = 0; q < NM; ++q) t[q][0] = t[q][1] = t[q][2] = t[q][3] = 0.f;
+#pragma unroll
+  for (int u = 0; u < NU; ++u) {
+    uint4 bu[PARTS];
+#pragma unroll
+    for (int p = 0; p < PARTS; ++p)
+      bu[p] = has_tok ? *reinterpret_cast<const uint4*>(bp + p * PS + 16 * (u ^ sw)) : make_uint4(0, 0, 0, 0);
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {  // the two MMA steps of unit u: j = 2u + h
+      const int j = 2 * u + h;
+#pragma unroll
+      for (int q = 0; q < NM; ++q) {
+        const uint4* wq = w + 4 * q;
+        if constexpr (WT == kFP8) {  // step j: bytes 4j .. 4j + 3 of each row
+          const uint32_t wa = word(wq[j >> 2], j & 3), wb = word(wq[2 + (j >> 2)], j & 3);
+          const uint32_t A[4] = {e4m3x2_h2(wa), e4m3x2_h2(wb), e4m3x2_h2(wa >> 16), e4m3x2_h2(wb >> 16)};
+#pragma unroll
+          for (int p = 0; p < PARTS; ++p) mma_f16(t[q], A, word(bu[p], 2 * h), word(bu[p], 2 * h + 1));
+        } else {  // step j: bf16 values 4j .. 4j + 3 (words 2j, 2j + 1) of each row
+          const uint32_t A[4] = {word(wq[j >> 1], (j & 1) * 2), word(wq[2 + (j >> 1)], (j & 1) * 2),
+                                 word(wq[j >> 1], (j & 1) * 2 + 1), word(wq[2 + (j >> 1)], (j & 1) * 2 + 1)};
+#pragma unroll
+          for (int p = 0; p < PARTS; ++p) mma_bf16(t[q], A, word(bu[p], 2 * h), word(bu[p], 2 * h + 1));
+        }
+      }
+    }
+  }
+#pragma unroll
+  for (int q = 0; q < NM; ++q)
+#pragma unroll
+    for (int i = 0; i < 4; ++i) acc[q][i] = WT == kFP8 ? fmaf(t[q][i], scale[q], acc[q][i]) : acc[q][i] + t[q][i];
+}
+
+// MODE 0: y = x · a; 1: y = silu(x · a) * (x · b); 2: as 0, then c's tiles to y2. Every warp of
+// the block reaches the same __syncthreads; pdl_wait comes after the first weight loads.
+template <int WT, bool ONE, int MODE>
+__device__ void tcv_run(const TcvJob& J, int64_t tile_base, char* smem) {
+  using T = Tcv<WT>;
+  constexpr bool FUSED = MODE == 1;
+  constexpr int NL = FUSED ? 8 : 4;  // 16-byte loads per lane per iteration
+  constexpr int NB = FUSED ? 2 : 3;  // iterations in the register ring
+  __shared__ float tmul[8];
+  __shared__ unsigned amax[8];
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, c4 = lane & 3;
+  const int ks = J.ks;
+  const int64_t tile = tile_base + warp / ks;
+  const int slice = warp % ks;
+  const int64_t ta = (J.a.rows + 15) / 16;
+  const bool second = MODE == 2 && tile >= ta;
+  const void* W = second ? J.c.w : J.a.w;
+  const float* Ws = second ? J.c.s : J.a.s;
+  const int64_t row0 = second ? J.c.row0 : J.a.row0, ld = second ? J.c.ld : J.a.ld, lds = second ? J.c.lds : J.a.lds,
+                col0 = second ? J.c.col0 : J.a.col0, rows = second ? J.c.rows : J.a.rows;
+  const int64_t r0 = (second ? tile - ta : tile) * 16;
+  const int64_t K = J.a.cols;
+  const int nit = int(K / T::KI);
+  const bool live = r0 < rows;
+  const int i0 = slice * nit / ks, i1 = live ? (slice + 1) * nit / ks : i0;
+  constexpr int EB = WT == kBF16 ? 2 : 1;
+  const int64_t ra = min(r0 + g, rows - 1), rb = min(r0 + g + 8, rows - 1);
+  const char* pa = static_cast<const char*>(W) + ((row0 + ra) * ld + col0) * EB + 16 * c4;
+  const char* pb = static_cast<const char*>(W) + ((row0 + rb) * ld + col0) * EB + 16 * c4;
+  const char* qa = pa;
+  const char* qb = pb;
+  if constexpr (FUSED) {
+    qa = static_cast<const char*>(J.b.w) + ((J.b.row0 + ra) * J.b.ld + J.b.col0) * EB + 16 * c4;
+    qb = static_cast<const char*>(J.b.w) + ((J.b.row0 + rb) * J.b.ld + J.b.col0) * EB + 16 * c4;
+  }
+  auto load = [&](int i, uint4* r) {  // act_off's two loads per row
+    const int64_t o = int64_t(i) * 128;
+    r[0] = ld_stream(pa + o), r[1] = ld_stream(pa + o + 64);
+    r[2] = ld_stream(pb + o), r[3] = ld_stream(pb + o + 64);
+    if constexpr (FUSED) {
+      r[4] = ld_stream(qa + o), r[5] = ld_stream(qa + o + 64);
+      r[6] = ld_stream(qb + o), r[7] = ld_stream(qb + o + 64);
+    }
+  };
+  uint4 buf[NB][NL];
+#pragma unroll
+  for (int s = 0; s < NB; ++s)
+    if (i0 + s < i1) load(i0 + s, buf[s]);
+  pdl_wait();
+  stage_x<WT>(J, K, smem, tmul, amax);
+  __syncthreads();
+  const int64_t S = row_bytes<WT>(K), PS = int64_t(J.m) * S;
+  const bool has_tok = ONE ? g == 0 : g < J.m;
+  const char* bsrc = smem + int64_t(has_tok ? g : 0) * S + (WT == kFP8 ? 64 : 32) * c4;
+  const int sw = WT == kFP8 ? (c4 >> 1) & 1 : 0;  // act_off's unit swizzle
+  // Scales of this tile's 128-row block (e4m3): one per iteration.
+  const float* sa = WT == kFP8 ? Ws + ((row0 + r0) >> 7) * lds + (col0 >> 7) : nullptr;
+  const float* sb = WT == kFP8 && FUSED ? J.b.s + ((J.b.row0 + r0) >> 7) * J.b.lds + (J.b.col0 >> 7) : nullptr;
+  constexpr int NM = FUSED ? 2 : 1;
+  float acc[NM][4];
+#pragma unroll
+  for (int q = 0; q < NM; ++q) acc[q][0] = acc[q][1] = acc[q][2] = acc[q][3] = 0.f;
+  for (int i = i0; i < i1; i += NB) {
+#pragma unroll
+    for (int s = 0; s < NB; ++s) {
+      if (i + s < i1) {
+        const int it = i + s;
+        float sc[NM];
+        sc[0] = WT == kFP8 ? __ldg(sa + it) : 1.f;
+        if constexpr (FUSED) sc[NM - 1] = WT == kFP8 ? __ldg(sb + it) : 1.f;
+        mma_iter<WT, NM>(buf[s], bsrc + int64_t(it) * (WT == kFP8 ? 256 : 128), PS, sw, has_tok, acc, sc);
+        if (it + NB < i1) load(it + NB, buf[s]);
+      }
+    }
+  }
+  // The K slices of a tile, summed in slice order by its first warp (deterministic).
+  if (ks > 1) {
+    constexpr int NQ = FUSED ? 8 : 4;
+    float* red = reinterpret_cast<float*>(smem + (T::PARTS * PS + 15) / 16 * 16);  // after the activations
+    __syncthreads();
+#pragma unroll
+    for (int q = 0; q < 4; ++q) {
+      red[(warp * NQ + q) * 32 + lane] = acc[0][q];
+      if constexpr (FUSED) red[(warp * NQ + 4 + q) * 32 + lane] = acc[NM - 1][q];
+    }
+    __syncthreads();
+    if (slice == 0) {
+      for (int s = 1; s < ks; ++s) {
+#pragma unroll
+        for (int q = 0; q < 4; ++q) {
+          acc[0][q] += red[((warp + s) * NQ + q) * 32 + lane];
+          if constexpr (FUSED) acc[NM - 1][q] += red[((warp + s) * NQ + 4 + q) * 32 + lane];
+        }
+      }
+    }
+  }
+  if (slice != 0 || !live) return;
+  float* Y = second ? J.y2 : J.y;
+  const int64_t ldy = second ? J.ldy2 : J.ldy;
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int64_t r = r0 + g + 8 * h;
+    if (r >= rows) continue;
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      const int t = 2 * c4 + e;
+      if (t >= (ONE ? 1 : J.m)) continue;
+      float v = acc[0][2 * h + e];
+      if constexpr (WT == kFP8) v *= tmul[t];
+      if constexpr (FUSED) {
+        float v3 = acc[NM - 1][2 * h + e];
+        if constexpr (WT == kFP8) v3 *= tmul[t];
+        v = silu(v) * v3;
+      }
+      Y[t * ldy + r] = v;
+    }
+  }
+}
+
+template <int WT, bool ONE, int MODE>
+__global__ void __launch_bounds__(kTW * 32, 2) tcv_kernel(TcvJob J, GemvShift sh) {
+  extern __shared__ __align__(16) char smem[];
+  const int64_t b = blockIdx.y;
+  J.x += b * sh.xs;
+  J.y += b * sh.ys;
+  J.a.row0 += b * sh.wrows;
+  J.b.row0 += b * sh.wrows;
+  tcv_run<WT, ONE, MODE>(J, int64_t(blockIdx.x) * (kTW / J.ks), smem);
+  pdl_trigger();
+}
+
+// blockIdx.y: an expert slot (expert_slot), as moe_gemv_kernel.
+template <int WT, bool ONE>
+__global__ void __launch_bounds__(kTW * 32, 2) tcv_moe_kernel(int stage, const DevExpert* __restrict__ table,
+                                                              MoeSched s, const float* in, int64_t ldin, float* out,
+                                                              int64_t ldout, int ks) {
+  extern __shared__ __align__(16) char smem[];
+  int e;
+  int64_t off, cnt;
+  if (!expert_slot(s, stage, blockIdx.y, e, off, cnt)) return;
+  TcvJob J;
+  J.ks = ks;
+  J.m = int(cnt);
+  J.y = out + off * ldout, J.ldy = ldout;
+  J.ldx = ldin;
+  const int64_t tb = int64_t(blockIdx.x) * (kTW / ks);
+  if (stage == 0) {
+    J.a = table[e].w1, J.b = table[e].w3;
+    J.x = in, J.idx = s.perm + off;
+    tcv_run<WT, ONE, 1>(J, tb, smem);
+  } else {
+    J.a = table[e].w2;
+    J.x = in + off * ldin;
+    tcv_run<WT, ONE, 0>(J, tb, smem);
+  }
+  pdl_trigger();
+}
+
+constexpr size_t kMaxSmem = 200 * 1024;
+
+size_t smem_bytes(int32_t t, int64_t K, int m, int ks, bool fused) {
+  const int64_t S = t == kFP8 ? row_bytes<kFP8>(K) : row_bytes<kBF16>(K);
+  const int parts = t == kFP8 ? Tcv<kFP8>::PARTS : Tcv<kBF16>::PARTS;
+  const size_t act = (size_t(parts) * size_t(m) * size_t(S) + 15) / 16 * 16;
+  return act + (ks > 1 ? size_t(kTW) * (fused ? 8 : 4) * 32 * sizeof(float) : 0);
+}
+
+// Kernels above 48 KB of dynamic shared memory must say so once (per size reached).
+template <typename F>
+void allow_smem(F* kernel, size_t bytes) {
+  if (bytes <= 48 * 1024) return;
+  static std::mutex mu;
+  static std::unordered_map<const void*, size_t> set;
+  std::lock_guard<std::mutex> lock(mu);
+  size_t& have = set[reinterpret_cast<const void*>(kernel)];
+  if (have >= bytes) return;
+  DSV3_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(bytes)));
+  have = bytes;
+}
+
+// Blocks per SM that the K split aims for (DSV3_CUDA_TCV_WAVES, a tuning knob; default 1).
+int target_blocks_per_sm() {
+  static const int v = [] {
+    const char* e = std::getenv("DSV3_CUDA_TCV_WAVES");
+    const int n = e && *e ? std::atoi(e) : 1;
+    return n >= 1 && n <= 16 ? n : 1;
+  }();
+  return v;
+}
+
+// Warps per tile: the fewest that give every SM the target blocks, at most one per iteration.
+int choose_ks(int64_t tiles, int nit) {
+  int best = 1;
+  for (int ks : {1, 2, 4, 8}) {
+    if (ks > nit) break;
+    best = ks;
+    if ((tiles * ks + kTW - 1) / kTW >= target_blocks_per_sm() * device_sms()) break;
+  }
+  return best;
+}
+
+int nit_of(const DevLinear& w) { return int(w.cols / (w.t == kFP8 ? Tcv<kFP8>::KI : Tcv<kBF16>::KI)); }
+
+template <int WT, int MODE>
+void launch_tcv(const Launch& L, TcvJob J, int batch, GemvShift sh) {
+  const int64_t tiles = (J.a.rows + 15) / 16 + (MODE == 2 ? (J.c.rows + 15) / 16 : 0);
+  J.ks = choose_ks(tiles * batch, nit_of(J.a));
+  const size_t smem = smem_bytes(WT, J.a.cols, J.m, J.ks, MODE == 1);
+  const dim3 grid(cdiv(tiles * J.ks, kTW), unsigned(batch));
+  if (J.m == 1) {
+    allow_smem(tcv_kernel<WT, true, MODE>, smem);
+    launch(L, tcv_kernel<WT, true, MODE>, grid, dim3(kTW * 32), smem, J, sh);
+  } else {
+    allow_smem(tcv_kernel<WT, false, MODE>, smem);
+    launch(L, tcv_kernel<WT, false, MODE>, grid, dim3(kTW * 32), smem, J, sh);
+  }
+}
+
+template <int MODE>
+void dispatch_tcv(const Launch& L, const TcvJob& J, int batch, GemvShift sh) {
+  if (J.a.t == kFP8) launch_tcv<kFP8, MODE>(L, J, batch, sh);
+  else launch_tcv<kBF16, MODE>(L, J, batch, sh);
+}
+
+bool x_ok(const float* x, int64_t ldx, int64_t xs) {
+  return reinterpret_cast<uintptr_t>(x) % 16 == 0 && ldx % 4 == 0 && xs % 4 == 0;
+}
+
+}  // namespace
+
+bool tcv_ok(const DevLinear& w) {
+  if (w.rows <= 0 || reinterpret_cast<uintptr_t>(w.w) % 16 != 0) return false;
+  if (w.t == kBF16) return w.cols % Tcv<kBF16>::KI == 0 && w.ld % 8 == 0 && w.col0 % 8 == 0;
+  // e4m3: iterations on scale blocks, 16-row tiles inside one 128-row block
+  if (w.t == kFP8) return w.cols % Tcv<kFP8>::KI == 0 && w.ld % 16 == 0 && w.col0 % 128 == 0 && w.row0 % 16 == 0;
+  return false;
+}
+
+static bool tcv_fits(const Launch& L, const DevLinear& w, int64_t m) {
+  return m >= 1 && m <= L.tcv_max && m <= 8 && (w.t != kBF16 || L.tcv_bf16) && tcv_ok(w) &&
+         smem_bytes(w.t, w.cols, int(m), 8, true) <= kMaxSmem;
+}
+
+bool tcv_gemv(const Launch& L, const DevLinear& w, const DevLinear* w3, const float* x, int64_t ldx,
+              const int32_t* idx, int64_t m, float* y, int64_t ldy, int batch, GemvShift shift) {
+  if (!tcv_fits(L, w, m) || !x_ok(x, ldx, shift.xs)) return false;
+  if (w3 && (!tcv_ok(*w3) || w3->t != w.t || w3->rows != w.rows || w3->cols != w.cols)) return false;
+  if (w.t == kFP8 && batch > 1 && shift.wrows % 16 != 0) return false;
+  TcvJob J;
+  J.a = w;
+  J.b = w3 ? *w3 : w;
+  J.x = x, J.ldx = ldx, J.idx = idx, J.m = int(m), J.y = y, J.ldy = ldy;
+  if (w3) dispatch_tcv<1>(L, J, batch, shift);
+  else dispatch_tcv<0>(L, J, batch, shift);
+  return true;
+}
+
+bool tcv_gemv2(const Launch& L, const DevLinear& w, float* y, const DevLinear& w2, float* y2, const float* x,
+               int64_t m) {
+  if (!tcv_fits(L, w, m) || !tcv_ok(w2) || w2.t != w.t || w2.cols != w.cols || !x_ok(x, w.cols, 0))
+    return false;
+  TcvJob J;
+  J.a = J.b = w;
+  J.c = w2;
+  J.x = x, J.ldx = w.cols, J.m = int(m), J.y = y, J.ldy = w.rows, J.y2 = y2, J.ldy2 = w2.rows;
+  dispatch_tcv<2>(L, J, 1, GemvShift{});
+  return true;
+}
+
+bool tcv_moe(const Launch& L, int stage, const DevExpert* table, int64_t max_rows, int64_t K, int32_t wtype,
+             const MoeSched& s, const float* in, int64_t ldin, float* out, int64_t ldout) {
+  if (s.n > L.tcv_max || s.n > 8 || !(wtype == kFP8 || (wtype == kBF16 && L.tcv_bf16)) || !x_ok(in, ldin, 0))
+    return false;
+  const int64_t max_active = std::min<int64_t>(s.NE(), s.n * s.K + s.S);
+  const int64_t tiles = (max_rows + 15) / 16;
+  const int nit = int(K / (wtype == kFP8 ? Tcv<kFP8>::KI : Tcv<kBF16>::KI));
+  const int ks = choose_ks(tiles * max_active, nit);
+  const size_t smem = smem_bytes(wtype, K, int(s.n), ks, stage == 0);
+  if (smem > kMaxSmem) return false;
+  const dim3 grid(cdiv(tiles * ks, kTW), unsigned(max_active));
+  auto go = [&](auto kernel) {
+    allow_smem(kernel, smem);
+    launch(L, kernel, grid, dim3(kTW * 32), smem, stage, table, s, in, ldin, out, ldout, ks);
+  };
+  const bool one = s.n == 1;
+  if (wtype == kFP8) one ? go(tcv_moe_kernel<kFP8, true>) : go(tcv_moe_kernel<kFP8, false>);
+  else one ? go(tcv_moe_kernel<kBF16, true>) : go(tcv_moe_kernel<kBF16, false>);
+  return true;
+}
+
+}  // namespace dsv3::cuda
