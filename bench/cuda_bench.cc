@@ -188,8 +188,11 @@ int main(int argc, char** argv) {
         o.tc_gemv_max = 0;  // decode GEMVs on the FMA kernels (kernels_gemv.cu) only
         vars.push_back({"fma-gemv", o, true, false});
         o = base;
-        o.tc_gemv_bf16 = true;  // the tensor-core GEMV for bf16 weights too
+        o.tc_gemv_bf16_min = 1;  // the tensor-core GEMV for bf16 weights at one token too
         vars.push_back({"tcv-bf16", o, true, false});
+        o = base;
+        o.tc_min = 8;  // eight tokens on the pipelined GEMM instead of the GEMVs
+        vars.push_back({"gemm-b8", o, true, false});
         o = base;
         o.tc_min = 1 << 30;  // prefill on the first-generation WMMA kernel and CUDA-core attention
         vars.push_back({"wmma", o, false, true});

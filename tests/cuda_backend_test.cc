@@ -258,7 +258,7 @@ TEST(CudaOps, TensorCoreGemvMatchesRef) {
   auto cuda = make_cuda_backend(opts());
   cuda::Launch L;
   L.tcv_max = 8;
-  L.tcv_bf16 = true;
+  L.tcv_bf16_min = 1;
   auto sync = [] { ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess); };
   const double tol = 2e-6;
   struct Case {
@@ -374,7 +374,7 @@ TEST(CudaOps, TensorCoreGemvMatchesRef) {
     EXPECT_FALSE(cuda::tcv_gemv(L, off8, nullptr, xd.p, 256, nullptr, 1, yd.p, 64, 1, {}));
     cuda::Launch off_l;  // tcv_max 0: off
     EXPECT_FALSE(cuda::tcv_gemv(off_l, dev_linear_of(dk, 64, 128), nullptr, xd.p, 128, nullptr, 1, yd.p, 64, 1, {}));
-    off_l.tcv_max = 8;  // bf16 only when asked
+    off_l.tcv_max = 8;  // bf16 only when asked (tcv_bf16_min)
     EXPECT_FALSE(cuda::tcv_gemv(off_l, dev_linear_of(dk, 64, 128), nullptr, xd.p, 128, nullptr, 1, yd.p, 64, 1, {}));
     sync();
   }
@@ -580,10 +580,10 @@ TEST(CudaOps, MoeDecodePathsMatchRef) {
     L.moe_w.has_shared = true;
     keep.push_back(make_linear(DType::BF16, a.n_routed_experts, a.dim, 4242));
     L.moe_w.gate = keep.back().lin.weight;
-    for (int path = 0; path < 3; ++path) {  // 0: default (tensor cores for e4m3), 1: bf16 too, 2: FMA only
+    for (int path = 0; path < 3; ++path) {  // 0: default (tensor cores: e4m3, bf16 from 2 tokens), 1: bf16 at 1 too, 2: FMA only
       {
         CudaOptions o = opts();
-        o.tc_gemv_bf16 = path == 1;
+        o.tc_gemv_bf16_min = path == 1 ? 1 : (path == 0 ? 2 : 0);
         if (path == 2) o.tc_gemv_max = 0;
         auto cuda = make_cuda_backend(o);
         ModelWeights dev = host;

@@ -54,7 +54,7 @@ CudaOptions CudaOptions::from_env() {
   o.decode_attn = env_flag("DSV3_CUDA_DECODE_ATTN", o.decode_attn);
   o.pair_gemv = env_flag("DSV3_CUDA_PAIR_GEMV", o.pair_gemv);
   o.tc_gemv_max = env_int("DSV3_CUDA_TC_GEMV_MAX", o.tc_gemv_max);
-  o.tc_gemv_bf16 = env_flag("DSV3_CUDA_TC_GEMV_BF16", o.tc_gemv_bf16);
+  o.tc_gemv_bf16_min = env_int("DSV3_CUDA_TC_GEMV_BF16_MIN", o.tc_gemv_bf16_min);
   o.progress = env_flag("DSV3_CUDA_PROGRESS", isatty(2) != 0);
   o.profile = env_flag("DSV3_CUDA_PROFILE", o.profile);
   return o;
@@ -178,7 +178,7 @@ class CudaBackend final : public Backend {
     L_.stream = stream_;
     L_.pdl = opt_.pdl && prop.major >= 9;
     L_.tcv_max = prop.major >= 8 ? opt_.tc_gemv_max : 0;  // mma.sync bf16 / f16: sm_80+
-    L_.tcv_bf16 = opt_.tc_gemv_bf16;
+    L_.tcv_bf16_min = opt_.tc_gemv_bf16_min;
     wgmma_ = opt_.wgmma && prop.major == 9;  // sm_90a code: Hopper only
     CK(cudaMallocHost(&staging_, kStagingBytes));
     // [gate + router][decode attention: kAttnCounters][pad][experts run: 8 bytes, 8-byte aligned]

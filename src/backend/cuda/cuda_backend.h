@@ -24,13 +24,14 @@ struct CudaOptions {
                          // (DSV3_CUDA_PAIR_GEMV=0: one launch each)
   int tc_gemv_max = 8;  // GEMVs (linears, MoE experts) of up to this many tokens on tensor cores where the
                         // weights fit (kernels_tcgemv.cu; DSV3_CUDA_TC_GEMV_MAX, 0: the FMA kernels only)
-  bool tc_gemv_bf16 = false; // ... for bf16 weights too (DSV3_CUDA_TC_GEMV_BF16=1); default e4m3 only: on the
-                             // H200 the FMA GEMV streams bf16 faster (4.2 vs 3.2 TB/s on the head)
+  int tc_gemv_bf16_min = 2; // ... for bf16 weights from this many tokens (DSV3_CUDA_TC_GEMV_BF16_MIN; 0: never).
+                             // One token stays on the FMA GEMV: on the H200 it streams bf16 faster (the head:
+                             // 4.2 against 3.2 TB/s); at 8 tokens the tensor cores win (b8 986 -> 1067 tok/s)
   int attn_chunk = 512; // queries per chunk of the cuBLAS long-run attention (DSV3_CUDA_ATTN_CHUNK)
   int tc_tm = 64;       // rows per tile of the pipelined kernel: 64 or 128 (DSV3_CUDA_TC_TM)
   int fast_min = 64;    // fast mode only for steps of at least this many tokens (DSV3_CUDA_FAST_MIN)
   int gemv_max = 8;     // the GEMV kernels up to this many tokens, tensor cores above (DSV3_CUDA_GEMV_MAX)
-  int tc_min = 8;       // from this many tokens: the pipelined bf16 GEMM (kernels_tc.cu) for bf16 weights
+  int tc_min = 9;       // from this many tokens: the pipelined bf16 GEMM (kernels_tc.cu) for bf16 weights
                         // (before the GEMV/WMMA choice) and, for long runs of one slot, cuBLAS
                         // attention over decompressed K/V (DSV3_CUDA_TC_MIN)
   int graph_max = 16;   // steps of up to this many tokens are recorded (DSV3_CUDA_GRAPH_MAX)

@@ -41,7 +41,7 @@ struct Launch {
   cudaStream_t stream = nullptr;
   bool pdl = false;
   int tcv_max = 0;        // GEMVs of up to this many tokens on tensor cores where they fit (kernels_tcgemv.cu); 0: off
-  bool tcv_bf16 = false;  // ... for bf16 weights too (else e4m3 only)
+  int tcv_bf16_min = 0;   // ... for bf16 weights from this many tokens (0: e4m3 only)
 };
 
 // Multiprocessors of the current device (queried once; 132 if the query fails).
@@ -88,7 +88,7 @@ void gemv2(const Launch& L, const DevLinear& w, float* y, const DevLinear& w2, f
 
 // ---- the same products of m <= 8 tokens on tensor cores (kernels_tcgemv.cu); gemv, gemv2 and
 // the backend's MoE try these first. Each returns false (launching nothing) where it does not
-// apply: m > L.tcv_max, bf16 weights without L.tcv_bf16, weights that are not bf16 / e4m3 with K
+// apply: m > L.tcv_max, bf16 weights below L.tcv_bf16_min, weights that are not bf16 / e4m3 with K
 // a multiple of 64 / 128 (e4m3:
 // columns and row tiles on scale blocks), unaligned activations, or too little shared memory.
 bool tcv_ok(const DevLinear& w);

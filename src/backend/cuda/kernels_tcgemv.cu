@@ -417,6 +417,8 @@ void dispatch_tcv(const Launch& L, const TcvJob& J, int batch, GemvShift sh) {
   else launch_tcv<kBF16, MODE>(L, J, batch, sh);
 }
 
+bool bf16_ok(const Launch& L, int64_t m) { return L.tcv_bf16_min > 0 && m >= L.tcv_bf16_min; }
+
 bool x_ok(const float* x, int64_t ldx, int64_t xs) {
   return reinterpret_cast<uintptr_t>(x) % 16 == 0 && ldx % 4 == 0 && xs % 4 == 0;
 }
@@ -432,7 +434,7 @@ bool tcv_ok(const DevLinear& w) {
 }
 
 static bool tcv_fits(const Launch& L, const DevLinear& w, int64_t m) {
-  return m >= 1 && m <= L.tcv_max && m <= 8 && (w.t != kBF16 || L.tcv_bf16) && tcv_ok(w) &&
+  return m >= 1 && m <= L.tcv_max && m <= 8 && (w.t != kBF16 || bf16_ok(L, m)) && tcv_ok(w) &&
          smem_bytes(w.t, w.cols, int(m), 8, true) <= kMaxSmem;
 }
 
@@ -464,7 +466,7 @@ bool tcv_gemv2(const Launch& L, const DevLinear& w, float* y, const DevLinear& w
 
 bool tcv_moe(const Launch& L, int stage, const DevExpert* table, int64_t max_rows, int64_t K, int32_t wtype,
              const MoeSched& s, const float* in, int64_t ldin, float* out, int64_t ldout) {
-  if (s.n > L.tcv_max || s.n > 8 || !(wtype == kFP8 || (wtype == kBF16 && L.tcv_bf16)) || !x_ok(in, ldin, 0))
+  if (s.n > L.tcv_max || s.n > 8 || !(wtype == kFP8 || (wtype == kBF16 && bf16_ok(L, s.n))) || !x_ok(in, ldin, 0))
     return false;
   const int64_t max_active = std::min<int64_t>(s.NE(), s.n * s.K + s.S);
   const int64_t tiles = (max_rows + 15) / 16;
