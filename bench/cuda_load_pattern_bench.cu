@@ -1,0 +1,171 @@
+// How fast the H200 streams a weight matrix under the two load patterns of dsv3's decode GEMVs,
+// with no arithmetic in the way (each lane XORs what it loads): "rows" = the FMA GEMV's (a warp
+// reads 512 contiguous bytes of one row per load instruction, two rows, four loads per row in
+// flight), "tiles" = the tensor-core GEMV's (a warp reads 16 rows; per load instruction 8 rows x
+// 64 bytes, four lanes per row; a 3-deep register ring of 128-byte-per-row iterations), and
+// "tiles256" = the same with 256 bytes per row per iteration (two deep). Prints GB/s and the
+// fraction of the copy bandwidth. Not a test: a measurement for kernels_tcgemv.cu's design.
+//
+//   dsv3_cuda_load_pattern_bench [--mb 1024] [--row-bytes 4096] [--reps 20]
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+#define CK(x)                                                                          \
+  do {                                                                                 \
+    cudaError_t e_ = (x);                                                              \
+    if (e_ != cudaSuccess) {                                                           \
+      std::fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e_)); \
+      std::exit(1);                                                                    \
+    }                                                                                  \
+  } while (0)
+
+__device__ __forceinline__ uint4 ld_nc(const char* p) {
+  uint4 r;
+  asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
+               : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
+               : "l"(p));
+  return r;
+}
+__device__ __forceinline__ unsigned fold(const uint4& v) { return v.x ^ v.y ^ v.z ^ v.w; }
+
+// Row pairs: warp takes rows 2g, 2g + 1; per row 4 loads of 16 bytes per lane in flight.
+__global__ void __launch_bounds__(256, 2) rows_kernel(const char* w, int64_t rows, int64_t rb, unsigned* out) {
+  const int lane = threadIdx.x & 31;
+  const int64_t warps = int64_t(gridDim.x) * 8, first = int64_t(blockIdx.x) * 8 + (threadIdx.x >> 5);
+  unsigned acc = 0;
+  for (int64_t g = first; 2 * g < rows; g += warps) {
+    const char* a = w + 2 * g * rb;
+    const char* b = a + rb;
+    for (int64_t o = 16 * lane; o < rb; o += 512 * 4) {
+      uint4 va[4], vb[4];
+#pragma unroll
+      for (int u = 0; u < 4; ++u) {
+        const int64_t off = o + 512 * u;
+        if (off < rb) va[u] = ld_nc(a + off), vb[u] = ld_nc(b + off);
+        else va[u] = vb[u] = make_uint4(0, 0, 0, 0);
+      }
+#pragma unroll
+      for (int u = 0; u < 4; ++u) acc ^= fold(va[u]) ^ fold(vb[u]);
+    }
+  }
+  if (acc == 0x9e3779b9u) out[0] = acc;  // keeps the loads
+}
+
+// 16-row tiles: lane (g, c) loads 16 bytes at 16c and 64 + 16c (and, with PER = 256, at 128 + 16c
+// and 192 + 16c) of rows g and g + 8 per iteration; NB iterations in a register ring.
+template <int PER, int NB>
+__global__ void __launch_bounds__(256, 2) tiles_kernel(const char* w, int64_t rows, int64_t rb, unsigned* out) {
+  constexpr int NL = PER / 64 * 2;  // loads per lane per iteration
+  const int lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3;
+  const int64_t warps = int64_t(gridDim.x) * 8, first = int64_t(blockIdx.x) * 8 + (threadIdx.x >> 5);
+  const int nit = int(rb / PER);
+  unsigned acc = 0;
+  for (int64_t t = first; 16 * t < rows; t += warps) {
+    const char* a = w + (16 * t + g) * rb + 16 * c;
+    const char* b = a + 8 * rb;
+    auto load = [&](int i, uint4* r) {
+#pragma unroll
+      for (int q = 0; q < NL / 2; ++q) {
+        r[2 * q] = ld_nc(a + int64_t(i) * PER + 64 * q);
+        r[2 * q + 1] = ld_nc(b + int64_t(i) * PER + 64 * q);
+      }
+    };
+    uint4 buf[NB][NL];
+#pragma unroll
+    for (int s = 0; s < NB; ++s)
+      if (s < nit) load(s, buf[s]);
+    for (int i = 0; i < nit; i += NB) {
+#pragma unroll
+      for (int s = 0; s < NB; ++s) {
+        if (i + s < nit) {
+#pragma unroll
+          for (int q = 0; q < NL; ++q) acc ^= fold(buf[s][q]);
+          if (i + s + NB < nit) load(i + s + NB, buf[s]);
+        }
+      }
+    }
+  }
+  if (acc == 0x9e3779b9u) out[0] = acc;
+}
+
+template <typename F>
+double time_ms(F f, int reps) {
+  cudaEvent_t e0, e1;
+  CK(cudaEventCreate(&e0));
+  CK(cudaEventCreate(&e1));
+  std::vector<float> t;
+  for (int r = 0; r < reps + 2; ++r) {
+    CK(cudaEventRecord(e0));
+    f();
+    CK(cudaEventRecord(e1));
+    CK(cudaEventSynchronize(e1));
+    float ms = 0;
+    CK(cudaEventElapsedTime(&ms, e0, e1));
+    if (r >= 2) t.push_back(ms);
+  }
+  std::sort(t.begin(), t.end());
+  CK(cudaEventDestroy(e0));
+  CK(cudaEventDestroy(e1));
+  return t[t.size() / 2];
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  int64_t mb = 1024, rb = 4096;
+  int reps = 20;
+  for (int i = 1; i + 1 < argc; i += 2) {
+    if (!std::strcmp(argv[i], "--mb")) mb = std::atoll(argv[i + 1]);
+    else if (!std::strcmp(argv[i], "--row-bytes")) rb = std::atoll(argv[i + 1]);
+    else if (!std::strcmp(argv[i], "--reps")) reps = std::atoi(argv[i + 1]);
+    else {
+      std::fprintf(stderr, "usage: dsv3_cuda_load_pattern_bench [--mb N] [--row-bytes B] [--reps N]\n");
+      return 2;
+    }
+  }
+  if (rb % 256 != 0 || mb <= 0) {
+    std::fprintf(stderr, "--row-bytes must be a multiple of 256, --mb positive\n");
+    return 2;
+  }
+  int sms = 0;
+  CK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
+  const int64_t bytes = mb << 20, rows = bytes / rb / 16 * 16;
+  char* w = nullptr;
+  char* dst = nullptr;
+  unsigned* out = nullptr;
+  CK(cudaMalloc(&w, size_t(rows * rb)));
+  CK(cudaMalloc(&dst, size_t(rows * rb)));
+  CK(cudaMalloc(&out, sizeof(unsigned)));
+  CK(cudaMemset(w, 0x5a, size_t(rows * rb)));
+  const double gb = double(rows * rb) / 1e9;
+  const double copy = time_ms([&] { CK(cudaMemcpyAsync(dst, w, size_t(rows * rb), cudaMemcpyDeviceToDevice)); }, reps);
+  const double copy_gbs = 2 * gb / (copy * 1e-3);
+  std::printf("%lld rows x %lld bytes (%.2f GB); copy bandwidth %.0f GB/s (read + write)\n", (long long)rows,
+              (long long)rb, gb, copy_gbs);
+  const dim3 grid(unsigned(2 * sms)), block(256);
+  struct Run {
+    const char* name;
+    double ms;
+  };
+  std::vector<Run> runs = {
+      {"rows (FMA GEMV pattern)", time_ms([&] { rows_kernel<<<grid, block>>>(w, rows, rb, out); }, reps)},
+      {"tiles (tensor-core GEMV, 128 B/row/iter, ring 3)",
+       time_ms([&] { tiles_kernel<128, 3><<<grid, block>>>(w, rows, rb, out); }, reps)},
+      {"tiles256 (256 B/row/iter, ring 2)", time_ms([&] { tiles_kernel<256, 2><<<grid, block>>>(w, rows, rb, out); }, reps)},
+  };
+  CK(cudaGetLastError());
+  for (const Run& r : runs)
+    std::printf("%-52s %8.3f ms  %6.0f GB/s  %5.1f%% of copy\n", r.name, r.ms, gb / (r.ms * 1e-3),
+                100.0 * gb / (r.ms * 1e-3) / copy_gbs);
+  CK(cudaFree(w));
+  CK(cudaFree(dst));
+  CK(cudaFree(out));
+  return 0;
+}
