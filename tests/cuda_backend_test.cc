@@ -305,14 +305,12 @@ TEST(CudaOps, TensorCoreGemvMatchesRef) {
       HostLinear h = make_linear(t, out, in, 77);
       const Linear d = to_device(*cuda, h.lin);
       std::vector<float> xb = randn(size_t(5 * ldx), 78), xg(size_t(m * in));
-      const std::vector<float> idx_f = {4, 0, 2};
-      for (int64_t j = 0; j < m; ++j)
-        std::copy_n(xb.begin() + int64_t(idx_f[size_t(j)]) * ldx, in, xg.begin() + j * in);
+      const int32_t idx_h[3] = {4, 0, 2};
+      for (int64_t j = 0; j < m; ++j) std::copy_n(xb.begin() + int64_t(idx_h[j]) * ldx, in, xg.begin() + j * in);
       std::vector<float> want(size_t(m * out));
       ref->linear(xg.data(), m, h.lin, want.data());
       int32_t* idx = nullptr;
-      ASSERT_EQ(cudaMalloc(&idx, 3 * sizeof(int32_t)), cudaSuccess);
-      const int32_t idx_h[3] = {4, 0, 2};
+      ASSERT_EQ(cudaMalloc(&idx, sizeof(idx_h)), cudaSuccess);
       ASSERT_EQ(cudaMemcpy(idx, idx_h, sizeof(idx_h), cudaMemcpyHostToDevice), cudaSuccess);
       Dev xd(*cuda, xb), yd(*cuda, want.size());
       ASSERT_TRUE(cuda::tcv_gemv(L, dev_linear_of(d, out, in), nullptr, xd.p, ldx, idx, m, yd.p, out, 1, {}));
@@ -334,9 +332,8 @@ TEST(CudaOps, TensorCoreGemvMatchesRef) {
             if (fp8) hb.q[dst] = h.q[src];
             else hb.bf16[dst] = h.bf16[src];
           }
-        if (fp8)
-          for (int64_t r = 0; r < 1; ++r)
-            for (int64_t k = 0; k < 2; ++k) hb.scale[size_t(k)] = h.scale[size_t((b * 2) * 2 + k)];
+        if (fp8)  // the head's one 128-row scale block (row block 2b of h), both column blocks
+          for (int64_t k = 0; k < 2; ++k) hb.scale[size_t(k)] = h.scale[size_t((b * 2) * 2 + k)];
         std::vector<float> xb(size_t(m * C)), yb(size_t(m * V));
         for (int64_t j = 0; j < m; ++j) std::copy_n(x.begin() + (j * H + b) * C, C, xb.begin() + j * C);
         ref->linear(xb.data(), m, hb.lin, yb.data());

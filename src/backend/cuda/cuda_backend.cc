@@ -557,9 +557,9 @@ class CudaBackend final : public Backend {
     } else if (n <= opt_.gemv_max || !T.gemm) {
       // GEMVs: on tensor cores where they take the experts (tcv_moe), else the FMA kernels.
       float* h = f32(kMoeH, size_t(P * T.rows13));
-      if (!(T.tcv && cuda::tcv_moe(L_, 0, T.dev, T.rows13, D, T.wtype, s, x, D, h, T.rows13)))
+      if (!(T.tcv && cuda::tcv_moe(L_, 0, T.dev, T.rows13, T.wtype, s, x, D, h, T.rows13)))
         cuda::moe_gemv(L_, 0, T.dev, T.rows13, T.wtype, s, x, D, h, T.rows13);
-      if (!(T.tcv && cuda::tcv_moe(L_, 1, T.dev, T.rows2, T.rows13, T.wtype, s, h, T.rows13, o, D)))
+      if (!(T.tcv && cuda::tcv_moe(L_, 1, T.dev, T.rows2, T.wtype, s, h, T.rows13, o, D)))
         cuda::moe_gemv(L_, 1, T.dev, T.rows2, T.wtype, s, h, T.rows13, o, D);
     } else {
       float* h = f32(kMoeH, size_t(P * 2 * T.rows13));

@@ -205,10 +205,10 @@ void moe_route(const Launch& L, const RouteArgs& r, const float* logits, const f
 // `table` [NE] on the device; max_rows = largest w1.rows (stage 0) or w2.rows (stage 1).
 void moe_gemv(const Launch& L, int stage, const DevExpert* table, int64_t max_rows, int32_t wtype, const MoeSched& s,
               const float* in, int64_t ldin, float* out, int64_t ldout);
-// moe_gemv on tensor cores (kernels_tcgemv.cu; K = ldin); false where it does not apply (as
-// tcv_gemv). Every expert of `table` must satisfy tcv_ok.
-bool tcv_moe(const Launch& L, int stage, const DevExpert* table, int64_t max_rows, int64_t K, int32_t wtype,
-             const MoeSched& s, const float* in, int64_t ldin, float* out, int64_t ldout);
+// moe_gemv on tensor cores (kernels_tcgemv.cu; the largest K is ldin); false where it does not
+// apply (as tcv_gemv). Every expert of `table` must satisfy tcv_ok.
+bool tcv_moe(const Launch& L, int stage, const DevExpert* table, int64_t max_rows, int32_t wtype, const MoeSched& s,
+             const float* in, int64_t ldin, float* out, int64_t ldout);
 // The tensor-core form: stage 0 writes w1 · x at column 0 and w3 · x at column `half` of
 // h [P, 2 * half]; stage 1 reads silu(h[p, k]) * h[p, half + k].
 void moe_gemm(const Launch& L, int stage, const DevExpert* table, int64_t max_rows, int32_t wtype, const MoeSched& s,

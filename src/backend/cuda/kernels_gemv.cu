@@ -405,13 +405,12 @@ __global__ void __launch_bounds__(kWarps * 32, 2) gate_route_kernel(Job J, Route
 
 bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
 
-int sms() { return device_sms(); }
 
 // Blocks for `groups` row groups: every group its own warp when that fits in two blocks per SM,
 // else two blocks per SM whose warps loop (the streaming path pipelines across groups).
 // (Eight tokens: one group per warp and many blocks, which measured faster there.)
 unsigned gemv_blocks(int64_t groups, int64_t batch, int nt) {
-  const int64_t want = (groups + kWarps - 1) / kWarps, cap = std::max<int64_t>(1, 2 * sms() / std::max<int64_t>(batch, 1));
+  const int64_t want = (groups + kWarps - 1) / kWarps, cap = std::max<int64_t>(1, 2 * device_sms() / std::max<int64_t>(batch, 1));
   return unsigned(std::max<int64_t>(1, nt == 1 ? std::min(want, cap) : want));
 }
 

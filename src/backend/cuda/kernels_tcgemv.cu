@@ -83,8 +83,6 @@ __device__ __forceinline__ uint32_t pack_b2(float a, float b) {
   const __nv_bfloat162 h = __floats2bfloat162_rn(a, b);
   return *reinterpret_cast<const uint32_t*>(&h);
 }
-__device__ __forceinline__ float lo_b(uint32_t v) { return __uint_as_float(v << 16); }
-__device__ __forceinline__ float hi_b(uint32_t v) { return __uint_as_float(v & 0xffff0000u); }
 __device__ __forceinline__ float2 h2f(uint32_t v) {
   return __half22float2(*reinterpret_cast<const __half2*>(&v));
 }
@@ -136,12 +134,14 @@ __device__ void stage_x(const TcvJob& J, int64_t K, char* act, float* tmul, unsi
       *reinterpret_cast<uint2*>(base + PS) = make_uint2(pack_h2(v.x - g0.x, v.y - g0.y), pack_h2(v.z - g1.x, v.w - g1.y));
     } else {
       const uint32_t h0 = pack_b2(v.x, v.y), h1 = pack_b2(v.z, v.w);
-      const float r0 = v.x - lo_b(h0), r1 = v.y - hi_b(h0), r2 = v.z - lo_b(h1), r3 = v.w - hi_b(h1);
+      const float2 g0 = bf16x2_bits(h0), g1 = bf16x2_bits(h1);
+      const float r0 = v.x - g0.x, r1 = v.y - g0.y, r2 = v.z - g1.x, r3 = v.w - g1.y;
       const uint32_t m0 = pack_b2(r0, r1), m1 = pack_b2(r2, r3);
+      const float2 n0 = bf16x2_bits(m0), n1 = bf16x2_bits(m1);
       *reinterpret_cast<uint2*>(base) = make_uint2(h0, h1);
       *reinterpret_cast<uint2*>(base + PS) = make_uint2(m0, m1);
       *reinterpret_cast<uint2*>(base + 2 * PS) =
-          make_uint2(pack_b2(r0 - lo_b(m0), r1 - hi_b(m0)), pack_b2(r2 - lo_b(m1), r3 - hi_b(m1)));
+          make_uint2(pack_b2(r0 - n0.x, r1 - n0.y), pack_b2(r2 - n1.x, r3 - n1.y));
     }
   }
 }
@@ -394,21 +394,19 @@ int choose_ks(int64_t tiles, int nit) {
   return best;
 }
 
-int nit_of(const DevLinear& w) { return int(w.cols / (w.t == kFP8 ? Tcv<kFP8>::KI : Tcv<kBF16>::KI)); }
+int nit_of(int32_t t, int64_t K) { return int(K / (t == kFP8 ? Tcv<kFP8>::KI : Tcv<kBF16>::KI)); }
 
 template <int WT, int MODE>
 void launch_tcv(const Launch& L, TcvJob J, int batch, GemvShift sh) {
   const int64_t tiles = (J.a.rows + 15) / 16 + (MODE == 2 ? (J.c.rows + 15) / 16 : 0);
-  J.ks = choose_ks(tiles * batch, nit_of(J.a));
+  J.ks = choose_ks(tiles * batch, nit_of(J.a.t, J.a.cols));
   const size_t smem = smem_bytes(WT, J.a.cols, J.m, J.ks, MODE == 1);
   const dim3 grid(cdiv(tiles * J.ks, kTW), unsigned(batch));
-  if (J.m == 1) {
-    allow_smem(tcv_kernel<WT, true, MODE>, smem);
-    launch(L, tcv_kernel<WT, true, MODE>, grid, dim3(kTW * 32), smem, J, sh);
-  } else {
-    allow_smem(tcv_kernel<WT, false, MODE>, smem);
-    launch(L, tcv_kernel<WT, false, MODE>, grid, dim3(kTW * 32), smem, J, sh);
-  }
+  auto go = [&](auto kernel) {
+    allow_smem(kernel, smem);
+    launch(L, kernel, grid, dim3(kTW * 32), smem, J, sh);
+  };
+  J.m == 1 ? go(tcv_kernel<WT, true, MODE>) : go(tcv_kernel<WT, false, MODE>);
 }
 
 template <int MODE>
@@ -464,14 +462,14 @@ bool tcv_gemv2(const Launch& L, const DevLinear& w, float* y, const DevLinear& w
   return true;
 }
 
-bool tcv_moe(const Launch& L, int stage, const DevExpert* table, int64_t max_rows, int64_t K, int32_t wtype,
-             const MoeSched& s, const float* in, int64_t ldin, float* out, int64_t ldout) {
+bool tcv_moe(const Launch& L, int stage, const DevExpert* table, int64_t max_rows, int32_t wtype, const MoeSched& s,
+             const float* in, int64_t ldin, float* out, int64_t ldout) {
+  const int64_t K = ldin;  // x or h rows: as wide as the largest K of the stage
   if (s.n > L.tcv_max || s.n > 8 || !(wtype == kFP8 || (wtype == kBF16 && bf16_ok(L, s.n))) || !x_ok(in, ldin, 0))
     return false;
   const int64_t max_active = std::min<int64_t>(s.NE(), s.n * s.K + s.S);
   const int64_t tiles = (max_rows + 15) / 16;
-  const int nit = int(K / (wtype == kFP8 ? Tcv<kFP8>::KI : Tcv<kBF16>::KI));
-  const int ks = choose_ks(tiles * max_active, nit);
+  const int ks = choose_ks(tiles * max_active, nit_of(wtype, K));
   const size_t smem = smem_bytes(wtype, K, int(s.n), ks, stage == 0);
   if (smem > kMaxSmem) return false;
   const dim3 grid(cdiv(tiles * ks, kTW), unsigned(max_active));
