@@ -191,6 +191,9 @@ int main(int argc, char** argv) {
         o.tc_gemv_bf16_min = 1;  // the tensor-core GEMV for bf16 weights at one token too
         vars.push_back({"tcv-bf16", o, true, false});
         o = base;
+        o.qabs_vec = false;  // the decode q absorption element-wise
+        vars.push_back({"qabs-scalar", o, true, false});
+        o = base;
         o.tc_min = 8;  // eight tokens on the pipelined GEMM instead of the GEMVs
         vars.push_back({"gemm-b8", o, true, false});
         o = base;

@@ -8,7 +8,8 @@
 #   OUT=/tmp/out scripts/cuda_device_run.sh      # on the GPU machine (device tool: carry .devdeps)
 # Environment: TESTS (gtest filter, default all CUDA tests; "none" to skip), BENCH_ARGS (for
 # dsv3_cuda_bench; "none" to skip), SANITIZE=1 (compute-sanitizer memcheck over the op tests),
-# LT_ARGS (run dsv3_cublaslt_bench with them), CLI=1 (also build `dsv3` with the bench command) and CLI_ARGS (run it, e.g. "bench --device cuda ...").
+# ALT_NVFLAGS (build the kernels a second time with these nvcc flags as bench_alt and run BENCH_ARGS on
+# both, alternating ALT_ROUNDS times), LT_ARGS (run dsv3_cublaslt_bench with them), CLI=1 (also build `dsv3` with the bench command) and CLI_ARGS (run it, e.g. "bench --device cuda ...").
 set -u
 cd "$(dirname "$0")/.."
 ROOT=$PWD
@@ -64,6 +65,10 @@ if [ "${CLI:-0}" = 1 ]; then  # the dsv3 binary with the bench command only (for
     compile "$s" "$B/cli/$(echo "$s" | tr / _).o" g++ $CXXFLAGS
   done
 fi
+if [ -n "${ALT_NVFLAGS:-}" ]; then  # a second build of the kernels (bench_alt) for A/B runs
+  mkdir -p "$B/obj_alt"
+  for s in src/backend/cuda/*.cu; do compile "$s" "$B/obj_alt/$(echo "$s" | tr / _).o" nvcc $NVFLAGS $ALT_NVFLAGS; done
+fi
 wait
 fail=0
 ls "$B"/FAILED_* > /dev/null 2>&1 && fail=1
@@ -73,6 +78,9 @@ if [ $fail = 0 ]; then
   g++ -o "$B/tests" "$B/test.o" $B/obj/*.o "$B/gtest-all.o" "$B/gtest_main.o" $LIBS || fail=1
   g++ -o "$B/bench" "$B/bench.o" $B/obj/*.o $LIBS || fail=1
   g++ -o "$B/ltbench" "$B/ltbench.o" $B/obj/*.o $LIBS || fail=1
+  if [ -n "${ALT_NVFLAGS:-}" ]; then
+    g++ -o "$B/bench_alt" "$B/bench.o" $(ls $B/obj/*.o | grep -v '\.cu\.o$') $B/obj_alt/*.o $LIBS || fail=1
+  fi
   if [ "${CLI:-0}" = 1 ]; then g++ -o "$B/dsv3" $B/cli/*.o $B/obj/*.o $LIBS || fail=1; fi
 fi
 log "build done in $(( $(date +%s) - t0 )) s, fail=$fail"
@@ -92,6 +100,15 @@ if [ "$BENCH_ARGS" != none ]; then
   timeout ${BENCH_TIMEOUT:-200} "$B/bench" --json "$OUT/bench.json" $BENCH_ARGS > "$OUT/bench.log" 2>&1
   log "bench rc=$?"
   cat "$OUT/bench.log" | tee -a "$OUT/summary.txt"
+  if [ -n "${ALT_NVFLAGS:-}" ]; then  # A/B: alternate the two builds, ALT_ROUNDS times each
+    for r in $(seq 1 ${ALT_ROUNDS:-2}); do
+      for v in bench_alt bench; do
+        log "$v ($([ $v = bench ] && echo default || echo "$ALT_NVFLAGS")) round $r: $BENCH_ARGS"
+        timeout ${BENCH_TIMEOUT:-200} "$B/$v" $BENCH_ARGS > "$OUT/ab_${v}_$r.log" 2>&1
+        grep -E "tok/s" "$OUT/ab_${v}_$r.log" | tee -a "$OUT/summary.txt"
+      done
+    done
+  fi
 fi
 if [ -n "${LT_ARGS:-}" ]; then  # e.g. LT_ARGS="--reps 50": dsv3_cublaslt_bench
   log "cublaslt bench $LT_ARGS"
@@ -112,12 +129,12 @@ if [ "${SANITIZE:-0}" = 1 ]; then
   log "memcheck rc=$?"
   tail -25 "$OUT/memcheck.log" | tee -a "$OUT/summary.txt"
 fi
-if [ -n "${NCU:-}" ]; then  # e.g. NCU="moe_gemv|gemv_kernel" : one decode-step instance of each
+if [ -n "${NCU:-}" ]; then  # e.g. NCU="moe_gemv|gemv_kernel" : one decode-step instance of each (bench args: NCU_ARGS; more ncu flags: NCU_EXTRA)
   log "ncu $NCU"
   timeout ${NCU_TIMEOUT:-200} ncu --clock-control none --kernel-name "regex:${NCU}" --launch-skip ${NCU_SKIP:-300} \
     --launch-count ${NCU_COUNT:-6} --section SpeedOfLight --section Occupancy --section LaunchStats \
-    --section WarpStateStats --section MemoryWorkloadAnalysis \
-    "$B/bench" --dtypes bf16 --quick --steps 8 > "$OUT/ncu.txt" 2>&1
+    --section WarpStateStats --section MemoryWorkloadAnalysis ${NCU_EXTRA:-} \
+    "$B/bench" ${NCU_ARGS:---dtypes bf16 --quick --steps 8} > "$OUT/ncu.txt" 2>&1
   log "ncu rc=$?"
   grep -E "^  [a-z_].*\(|Duration|DRAM Throughput|Memory Throughput|Compute \(SM\)|Achieved Occupancy|Theoretical Occupancy|Registers Per|Block Limit|Stall|L2 Hit|Mem Busy|Max Bandwidth" "$OUT/ncu.txt" | head -150 | tee -a "$OUT/summary.txt"
 fi

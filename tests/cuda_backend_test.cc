@@ -498,6 +498,19 @@ TEST(CudaOps, RouterMatchesGate) {
     EXPECT_EQ(cuda->routed_experts_run(), int64_t(std::count(used.begin(), used.end(), true))) << c;
     cuda->reset_counters();
     EXPECT_EQ(cuda->routed_experts_run(), 0) << c;
+    // Each token alone: a step of one token is routed by a whole block (ranks, not rounds).
+    for (int64_t i = 0; i < n; ++i) {
+      std::vector<int32_t> one_idx(static_cast<size_t>(K)), wi(static_cast<size_t>(K));
+      std::vector<float> one_w(static_cast<size_t>(K)), ww(static_cast<size_t>(K));
+      cuda::route_for_test(*cuda, a, ld.p + i * E, bd ? bd->p : nullptr, 1, one_idx.data(), one_w.data());
+      route_token(a, &lg[size_t(i * E)], bias.empty() ? nullptr : bias.data(), wi.data(), ww.data(), scratch.data());
+      EXPECT_EQ(one_idx, wi) << c << " token " << i << " alone";
+      for (int k = 0; k < K; ++k)
+        EXPECT_NEAR(one_w[size_t(k)], ww[size_t(k)], 1e-6f * std::max(1.f, std::fabs(ww[size_t(k)])))
+            << c << " token " << i << " alone";
+    }
+    EXPECT_EQ(cuda->routed_experts_run(), n * K) << c << " one token at a time";
+    cuda->reset_counters();
   }
 }
 
@@ -762,6 +775,67 @@ TEST(CudaOps, DecodeAttentionMatchesFloat64) {
       EXPECT_LE(rel_l2(got.data(), want.data(), got.size()), 1e-5) << ns << " splits, launch " << rep;
       const std::vector<float> c = cnt.get();
       EXPECT_TRUE(std::all_of(c.begin(), c.end(), [](float v) { return v == 0.f; })) << "counters left set";
+    }
+  }
+}
+
+// The decode q absorption of mla_prep_qabs at the 16B shape (nope 128, C 512, 16 heads), both
+// forms (16-byte loads, element-wise), bf16 / e4m3 / float32 wkv_b, 1-8 tokens: against float64
+// on the host, and the prep half's cache row written.
+TEST(CudaOps, DecodeQAbsorptionMatchesFloat64) {
+  REQUIRE_GPU();
+  auto cuda = make_cuda_backend(opts());
+  cuda::MlaDims d;
+  d.H = 16, d.nope = 128, d.R = 64, d.C = 512, d.V = 128, d.max_len = 16, d.scale = 0.07f, d.eps = 1e-6f;
+  const int64_t H = d.H, C = d.C, R = d.R, qk = d.qk(), rows = H * (d.nope + d.V);
+  for (DType t : {DType::BF16, DType::F8_E4M3, DType::F32}) {
+    HostLinear h = make_linear(t, rows, C, 61);
+    const Linear dl = to_device(*cuda, h.lin);
+    const DevLinear w = dev_linear_of(dl, rows, C);
+    auto wval = [&](int64_t r, int64_t c) -> double {
+      const size_t e = size_t(r * C + c);
+      if (t == DType::BF16) return bf16_to_f32(h.bf16[e]);
+      if (t == DType::F32) return h.f32[e];
+      return double(e4m3_to_f32(h.q[e])) * h.scale[size_t((r / 128) * ((C + 127) / 128) + c / 128)];
+    };
+    for (int64_t n : {1, 3, 8}) {
+      std::vector<cuda::DevPos> tp;
+      for (int64_t i = 0; i < n; ++i) tp.push_back({int32_t(i), int32_t(i % 5)});
+      const std::vector<float> q = randn(size_t(n * H * qk), 71), kv = randn(size_t(n * (C + R)), 72),
+                               nw = randn(size_t(C), 73), rope = randn(size_t(d.max_len * R), 74);
+      std::vector<float> want(size_t(n * H * C));
+      for (int64_t i = 0; i < n; ++i)
+        for (int64_t hh = 0; hh < H; ++hh)
+          for (int64_t c = 0; c < C; ++c) {
+            double v = 0;
+            for (int64_t k = 0; k < d.nope; ++k) v += double(q[size_t((i * H + hh) * qk + k)]) * wval(hh * (d.nope + d.V) + k, c);
+            want[size_t((i * H + hh) * C + c)] = float(v);
+          }
+      for (bool vec : {true, false}) {
+        Dev dq(*cuda, q), dkv(*cuda, kv), dnw(*cuda, nw), drope(*cuda, rope);
+        Dev ckv(*cuda, std::vector<float>(size_t(n * d.max_len * C), 0.f)), cpe(*cuda, size_t(n * d.max_len * R));
+        Dev qa(*cuda, std::vector<float>(want.size(), std::nanf("")));
+        Dev dpos(*cuda, std::vector<float>(reinterpret_cast<const float*>(tp.data()),
+                                           reinterpret_cast<const float*>(tp.data()) + 2 * tp.size()));
+        cuda::Launch L;
+        cuda::mla_prep_qabs(L, d, reinterpret_cast<const cuda::DevPos*>(dpos.p), n, dq.p, dkv.p, dnw.p, drope.p, ckv.p,
+                            cpe.p, w, qa.p, vec);
+        ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+        const std::vector<float> got = qa.get();
+        const std::string what = std::string(dtype_name(t)) + " n=" + std::to_string(n) + (vec ? " 16-byte" : " scalar");
+        for (size_t e = 0; e < got.size(); ++e) ASSERT_TRUE(std::isfinite(got[e])) << what << ": unwritten at " << e;
+        EXPECT_LE(rel_l2(got.data(), want.data(), got.size()), 2e-6) << what;
+        // the prep half: token i's normalised latent in its cache row (slot i, position i % 5)
+        const std::vector<float> cache = ckv.get();
+        for (int64_t i = 0; i < n; ++i) {
+          double ss = 0;
+          for (int64_t c = 0; c < C; ++c) ss += double(kv[size_t(i * (C + R) + c)]) * kv[size_t(i * (C + R) + c)];
+          const double r = 1.0 / std::sqrt(ss / double(C) + d.eps);
+          const int64_t row = i * d.max_len + i % 5;
+          for (int64_t c = 0; c < C; c += 97)
+            EXPECT_NEAR(cache[size_t(row * C + c)], kv[size_t(i * (C + R) + c)] * r * nw[size_t(c)], 1e-4) << what;
+        }
+      }
     }
   }
 }

@@ -13,11 +13,21 @@
 namespace dsv3::cuda {
 
 // Wait until the kernels this one depends on have finished and their writes are visible
-// (a no-op without PDL). Every kernel calls it first, in every block, before any early exit:
-// that keeps completion transitive along the stream.
+// (a no-op without PDL). Every kernel calls it, in every block, before any early exit: that
+// keeps completion transitive along the stream. Past the wait the block also lets the next
+// kernel launch (DSV3_PDL_TRIGGER=1, the default): once every block of this grid is past its
+// wait, the next grid's blocks take the free slots and issue their weight loads, which never
+// depend on this kernel, before their own wait. (Without the trigger the next grid launches
+// only as this one's blocks exit.)
+#ifndef DSV3_PDL_TRIGGER
+#define DSV3_PDL_TRIGGER 1
+#endif
 __device__ __forceinline__ void pdl_wait() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.wait;" ::: "memory");
+#if DSV3_PDL_TRIGGER
+  asm volatile("griddepcontrol.launch_dependents;");
+#endif
 #endif
 }
 // Let the next kernel in the stream be scheduled (it still waits in pdl_wait for our completion).
@@ -92,6 +102,33 @@ __device__ __forceinline__ void split_bf16(float x, __nv_bfloat16* hi, __nv_bflo
 }
 
 __device__ __forceinline__ float silu(float x) { return x / (1.f + expf(-x)); }
+
+template <int WT>
+__host__ __device__ constexpr int chunk_elems() { return WT == kBF16 ? 8 : (WT == kFP8 ? 16 : 4); }
+template <int WT>
+__host__ __device__ constexpr int elem_bytes() { return WT == kBF16 ? 2 : (WT == kFP8 ? 1 : 4); }
+
+// One 16-byte chunk of weights of type WT: CE elements, decoded to floats (unscaled for FP8).
+template <int WT>
+__device__ __forceinline__ void decode(const uint4& v, float* w) {
+  const uint32_t u[4] = {v.x, v.y, v.z, v.w};
+  if constexpr (WT == kBF16) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      float2 f = bf16x2_bits(u[i]);
+      w[2 * i] = f.x, w[2 * i + 1] = f.y;
+    }
+  } else if constexpr (WT == kFP8) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      float2 lo = e4m3x2_bits(u[i]), hi = e4m3x2_bits(u[i] >> 16);
+      w[4 * i] = lo.x, w[4 * i + 1] = lo.y, w[4 * i + 2] = hi.x, w[4 * i + 3] = hi.y;
+    }
+  } else {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) w[i] = __uint_as_float(u[i]);
+  }
+}
 
 // Element (r, k) of a DevLinear as float (FP8 times its block scale), the slow generic path.
 __device__ __forceinline__ float w_at(const DevLinear& L, int64_t r, int64_t k) {

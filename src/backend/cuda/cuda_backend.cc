@@ -53,6 +53,7 @@ CudaOptions CudaOptions::from_env() {
   o.fp8_wgmma = env_flag("DSV3_CUDA_FP8_WGMMA", o.fp8_wgmma);
   o.decode_attn = env_flag("DSV3_CUDA_DECODE_ATTN", o.decode_attn);
   o.pair_gemv = env_flag("DSV3_CUDA_PAIR_GEMV", o.pair_gemv);
+  o.qabs_vec = env_flag("DSV3_CUDA_QABS_VEC", o.qabs_vec);
   o.tc_gemv_max = env_int("DSV3_CUDA_TC_GEMV_MAX", o.tc_gemv_max);
   o.tc_gemv_bf16_min = env_int("DSV3_CUDA_TC_GEMV_BF16_MIN", o.tc_gemv_bf16_min);
   o.progress = env_flag("DSV3_CUDA_PROGRESS", isatty(2) != 0);
@@ -598,7 +599,8 @@ class CudaBackend final : public Backend {
       {
         float* qa = f32(kLat, size_t(n * H * C));
         if (nope <= 128) {
-          cuda::mla_prep_qabs(L_, d, pos, n, q, kv, w.kv_norm.as<float>(), cs, cache.kv, cache.pe, wkv_b, qa);
+          cuda::mla_prep_qabs(L_, d, pos, n, q, kv, w.kv_norm.as<float>(), cs, cache.kv, cache.pe, wkv_b, qa,
+                              opt_.qabs_vec);
         } else {
           cuda::mla_prep(L_, d, false, pos, n, q, kv, w.kv_norm.as<float>(), cs, cache.kv, cache.pe, nullptr,
                          nullptr);

@@ -22,6 +22,7 @@ struct CudaOptions {
                            // (and a split reduction) as separate kernels (DSV3_CUDA_DECODE_ATTN=0)
   bool pair_gemv = true; // two GEMVs on the same activations (wq and wkv_a at decode) in one launch
                          // (DSV3_CUDA_PAIR_GEMV=0: one launch each)
+  bool qabs_vec = true;  // the decode q absorption with 16-byte weight loads (DSV3_CUDA_QABS_VEC=0: element-wise)
   int tc_gemv_max = 8;  // GEMVs (linears, MoE experts) of up to this many tokens on tensor cores where the
                         // weights fit (kernels_tcgemv.cu; DSV3_CUDA_TC_GEMV_MAX, 0: the FMA kernels only)
   int tc_gemv_bf16_min = 2; // ... for bf16 weights from this many tokens (DSV3_CUDA_TC_GEMV_BF16_MIN; 0: never).

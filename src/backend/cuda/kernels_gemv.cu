@@ -17,33 +17,6 @@ constexpr int kWarps = 8;  // 256 threads per block
 template <int NT>
 __host__ __device__ constexpr int unroll() { return NT == 1 ? 8 : 4; }
 
-template <int WT>
-__host__ __device__ constexpr int chunk_elems() { return WT == kBF16 ? 8 : (WT == kFP8 ? 16 : 4); }
-template <int WT>
-__host__ __device__ constexpr int elem_bytes() { return WT == kBF16 ? 2 : (WT == kFP8 ? 1 : 4); }
-
-// Weights of one 16-byte chunk as floats (unscaled for FP8).
-template <int WT>
-__device__ __forceinline__ void decode(const uint4& v, float* w) {
-  const uint32_t u[4] = {v.x, v.y, v.z, v.w};
-  if constexpr (WT == kBF16) {
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      float2 f = bf16x2_bits(u[i]);
-      w[2 * i] = f.x, w[2 * i + 1] = f.y;
-    }
-  } else if constexpr (WT == kFP8) {
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      float2 lo = e4m3x2_bits(u[i]), hi = e4m3x2_bits(u[i] >> 16);
-      w[4 * i] = lo.x, w[4 * i + 1] = lo.y, w[4 * i + 2] = hi.x, w[4 * i + 3] = hi.y;
-    }
-  } else {
-#pragma unroll
-    for (int i = 0; i < 4; ++i) w[i] = __uint_as_float(u[i]);
-  }
-}
-
 // acc[j] += (w · x_j[k .. k + CE)) * scale for the live tokens.
 template <int WT, int NT>
 __device__ __forceinline__ void chunk_dot(const float* w, float scale, const float* const* xr, int64_t k, float* acc) {
@@ -368,31 +341,89 @@ __global__ void __launch_bounds__(kWarps * 32, 2) moe_gemv_kernel(int stage, con
   pdl_trigger();
 }
 
-// The MoE gate for a few tokens (a GEMV over the experts' rows, logits to J.y) with the router
-// and the grouping run by whichever block finishes last (a device counter, reset by it): one
-// launch instead of two.
+// Gate row r's partial dot products with NT tokens over the warp's share of K (kWarps equal
+// slices of the 16-byte chunks; elements when not vectorisable): acc[j] for token t0 + j.
+template <int WT, int NT>
+__device__ void gate_slice(const Job& J, int64_t r, int64_t t0, float* acc) {
+  constexpr int CE = chunk_elems<WT>(), U = 4;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const DevLinear& A = J.a;
+  const float* xr[NT];
+#pragma unroll
+  for (int j = 0; j < NT; ++j) xr[j] = t0 + j < J.m ? J.x + (t0 + j) * J.ldx : nullptr;
+  if (J.vec) {
+    const int64_t nch = A.cols / CE, per = (nch + kWarps - 1) / kWarps;
+    const int64_t lo = warp * per, hi = lo + per < nch ? lo + per : nch;
+    const uint4* pa = reinterpret_cast<const uint4*>(static_cast<const char*>(A.w) +
+                                                     ((A.row0 + r) * A.ld + A.col0) * elem_bytes<WT>());
+    for (int64_t c0 = lo + lane; c0 < hi; c0 += 32 * U) {
+      uint4 w4[U];
+#pragma unroll
+      for (int u = 0; u < U; ++u)
+        if (c0 + 32 * u < hi) w4[u] = ld_stream(pa + c0 + 32 * u);
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        if (c0 + 32 * u >= hi) break;
+        float w[CE];
+        decode<WT>(w4[u], w);
+        chunk_dot<WT, NT>(w, 1.f, xr, (c0 + 32 * u) * CE, acc);
+      }
+    }
+  } else {
+    const int64_t per = (A.cols + kWarps - 1) / kWarps, lo = warp * per, hi = lo + per < A.cols ? lo + per : A.cols;
+    for (int64_t k = lo + lane; k < hi; k += 32) {
+      const float wv = w_at(A, r, k);
+#pragma unroll
+      for (int j = 0; j < NT; ++j)
+        if (xr[j]) acc[j] = fmaf(wv, xr[j][k], acc[j]);
+    }
+  }
+}
+
+// The MoE gate for a few tokens (logits to J.y) with the router run by whichever block finishes
+// last (a device counter, reset by it): one launch instead of two. A block per gate row, its
+// warps splitting K, so the gate's few rows are read by many SMs at once; one token is routed
+// by the whole last block (route_one_block), more by a warp each and grouped (group_pairs).
 template <int WT, int NT>
 __global__ void __launch_bounds__(kWarps * 32, 2) gate_route_kernel(Job J, RouteArgs ra, const float* bias, MoeSched s,
                                                                     unsigned* counter) {
   __shared__ float sc_s[kWarps][kMaxE], ch_s[kWarps][kMaxE];
   __shared__ float gs_s[kWarps][kMaxG];
+  __shared__ float part[kWarps][NT];
   __shared__ bool last;
-  // One gate row per warp (the rows are few; pairing them as run_job does doubles each warp's
-  // chain of loads). The trigger comes first: the expert kernel's blocks may start and load the
-  // shared experts' first weights while the last block routes.
+  // The trigger comes first: the expert kernel's blocks may start and load the shared experts'
+  // first weights while the last block routes.
   pdl_wait();
   pdl_trigger();
-  for (int64_t r = int64_t(blockIdx.x) * kWarps + (threadIdx.x >> 5); r < J.a.rows; r += int64_t(gridDim.x) * kWarps)
-    warp_rows<WT, NT>(J, r, -1);
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int64_t r = blockIdx.x;
+  for (int64_t t0 = 0; t0 < J.m; t0 += NT) {
+    float acc[NT];
+#pragma unroll
+    for (int j = 0; j < NT; ++j) acc[j] = 0.f;
+    gate_slice<WT, NT>(J, r, t0, acc);
+#pragma unroll
+    for (int j = 0; j < NT; ++j) acc[j] = warp_sum(acc[j]);
+    if (lane == 0)
+#pragma unroll
+      for (int j = 0; j < NT; ++j) part[warp][j] = acc[j];
+    __syncthreads();
+    if (threadIdx.x < NT && t0 + threadIdx.x < J.m) {
+      float v = 0.f;
+#pragma unroll
+      for (int w = 0; w < kWarps; ++w) v += part[w][threadIdx.x];
+      J.y[(t0 + threadIdx.x) * J.ldy + r] = v;
+    }
+    __syncthreads();
+  }
   __threadfence();
   __syncthreads();
   if (threadIdx.x == 0) last = atomicAdd(counter, 1u) == gridDim.x - 1;
   __syncthreads();
   if (last) {
     __threadfence();
-    const int warp = threadIdx.x >> 5;
-    if (s.n == 1) {  // one token: its warp writes the schedule (no block-wide grouping)
-      if (warp == 0) route_token_warp(ra, J.y, bias, s, 0, sc_s[0], ch_s[0], gs_s[0], nullptr, nullptr, true);
+    if (s.n == 1) {  // one token: the block routes it and writes the schedule (no grouping)
+      route_one_block(ra, J.y, bias, s, nullptr, nullptr);
     } else {
       for (int64_t i = warp; i < s.n; i += kWarps)
         route_token_warp(ra, J.y, bias, s, i, sc_s[warp], ch_s[warp], gs_s[warp], nullptr, nullptr);
@@ -519,7 +550,7 @@ void gate_route(const Launch& L, const DevLinear& gate, const float* x, int64_t 
   J.fused = false;
   J.x = x, J.ldx = gate.cols, J.idx = nullptr, J.m = n, J.y = logits, J.ldy = gate.rows;
   J.vec = aligned16(x) && gate.cols % 4 == 0 && vec_ok(gate);
-  const dim3 grid(unsigned((gate.rows + kWarps - 1) / kWarps));
+  const dim3 grid(unsigned(gate.rows));  // a block per row
   const bool one = n == 1;
   if (gate.t == kBF16) {
     if (one) launch(L, gate_route_kernel<kBF16, 1>, grid, dim3(kWarps * 32), 0, J, r, bias, s, counter);

@@ -145,6 +145,88 @@ __device__ void qabs_block(const MlaDims& d, const DevLinear& w, const float* __
   }
 }
 
+// The same product with 16-byte weight loads (decode steps; qabs_vec_ok): block (head h, 64
+// latent columns). A thread takes CE consecutive columns (one chunk) of NU rows d = rg + RPP u;
+// its partial sums over those rows meet the other row groups' by shuffles within the warp, then
+// across the 8 warps in shared memory. TB tokens per pass (the weights stay in registers).
+template <int WT>
+struct QabsVec {
+  static constexpr int CE = chunk_elems<WT>(), TPR = 64 / CE, RPP = 256 / TPR, NU = 128 / RPP;
+};
+template <int WT, int TB>
+__device__ void qabs_vec_block(const MlaDims& d, const DevLinear& w, const float* __restrict__ q, int64_t n,
+                               float* __restrict__ qa, int h, int cblk, float* smem) {
+  using V = QabsVec<WT>;
+  constexpr int CE = V::CE, TPR = V::TPR, RPP = V::RPP, NU = V::NU;
+  float* qs = smem;                 // [TB][nope]
+  float* red = smem + TB * d.nope;  // [8][TB][64]
+  const int qk = d.qk(), warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int cg = threadIdx.x % TPR, rg = threadIdx.x / TPR;
+  const int64_t cb = int64_t(cblk) * 64, wrow = int64_t(h) * (d.nope + d.V);
+  // The weights do not depend on earlier kernels: load them before waiting, keep them for all tokens.
+  uint4 wv[NU];
+  float sc[NU];
+#pragma unroll
+  for (int u = 0; u < NU; ++u) {
+    const int k = rg + RPP * u;
+    sc[u] = 1.f;
+    if (k < d.nope) {
+      const int64_t r = w.row0 + wrow + k, c = w.col0 + cb + cg * CE;
+      wv[u] = ld_stream(static_cast<const char*>(w.w) + (r * w.ld + c) * elem_bytes<WT>());
+      if (WT == kFP8) sc[u] = w.s[(r >> 7) * w.lds + (c >> 7)];
+    }
+  }
+  pdl_wait();
+  for (int64_t t0 = 0; t0 < n; t0 += TB) {
+    const int tb = int(n - t0 < TB ? n - t0 : TB);
+    __syncthreads();
+    for (int e = threadIdx.x; e < TB * d.nope; e += blockDim.x) {
+      const int j = e / d.nope, k = e % d.nope;
+      qs[e] = j < tb ? q[((t0 + j) * d.H + h) * qk + k] : 0.f;
+    }
+    __syncthreads();
+    float acc[TB][CE];
+#pragma unroll
+    for (int j = 0; j < TB; ++j)
+#pragma unroll
+      for (int c = 0; c < CE; ++c) acc[j][c] = 0.f;
+#pragma unroll
+    for (int u = 0; u < NU; ++u) {
+      const int k = rg + RPP * u;
+      if (k >= d.nope) break;
+      float wf[CE];
+      decode<WT>(wv[u], wf);
+#pragma unroll
+      for (int c = 0; c < CE; ++c)
+        if (WT == kFP8) wf[c] *= sc[u];  // e4m3 times its block scale, as wload
+#pragma unroll
+      for (int j = 0; j < TB; ++j) {
+        const float qv = qs[j * d.nope + k];
+#pragma unroll
+        for (int c = 0; c < CE; ++c) acc[j][c] = fmaf(qv, wf[c], acc[j][c]);
+      }
+    }
+#pragma unroll
+    for (int o = TPR; o < 32; o <<= 1)
+#pragma unroll
+      for (int j = 0; j < TB; ++j)
+#pragma unroll
+        for (int c = 0; c < CE; ++c) acc[j][c] += __shfl_xor_sync(0xffffffffu, acc[j][c], o);
+    if (lane < TPR)
+#pragma unroll
+      for (int j = 0; j < TB; ++j)
+#pragma unroll
+        for (int c = 0; c < CE; ++c) red[(warp * TB + j) * 64 + cg * CE + c] = acc[j][c];
+    __syncthreads();
+    for (int e = threadIdx.x; e < tb * 64; e += blockDim.x) {
+      const int j = e / 64, cc = e % 64;
+      float sum = 0.f;
+      for (int ww = 0; ww < 8; ++ww) sum += red[(ww * TB + j) * 64 + cc];
+      qa[((t0 + j) * d.H + h) * d.C + cb + cc] = sum;
+    }
+  }
+}
+
 template <int WT>
 __global__ void __launch_bounds__(256) qabs_kernel(MlaDims d, DevLinear w, const float* __restrict__ q, int64_t n,
                                                    float* __restrict__ qa) {
@@ -154,12 +236,14 @@ __global__ void __launch_bounds__(256) qabs_kernel(MlaDims d, DevLinear w, const
 
 // Absorbed decode: the q absorption (reads q's nope parts) and RoPE/kv_norm/cache write (q's rope
 // parts, the cache) touch disjoint data: one launch, blocks [0, H * C/64) absorb, the rest prep.
-template <int WT>
+// TB > 0: the 16-byte form, TB tokens per pass; 0: qabs_block.
+template <int WT, int TB>
 __global__ void __launch_bounds__(256) prep_qabs_kernel(PrepArgs P, DevLinear w, int64_t n, float* __restrict__ qa) {
   extern __shared__ float smem[];
   const int nq = P.d.H * int((P.d.C + 63) / 64);
   if (int(blockIdx.x) < nq) {
-    qabs_block<WT>(P.d, w, P.q, n, qa, blockIdx.x % P.d.H, blockIdx.x / P.d.H, smem);
+    if constexpr (TB > 0) qabs_vec_block<WT, TB>(P.d, w, P.q, n, qa, blockIdx.x % P.d.H, blockIdx.x / P.d.H, smem);
+    else qabs_block<WT>(P.d, w, P.q, n, qa, blockIdx.x % P.d.H, blockIdx.x / P.d.H, smem);
   } else {
     pdl_wait();
     pdl_trigger();
@@ -586,15 +670,24 @@ void mla_prep(const Launch& L, const MlaDims& d, bool naive, const DevPos* pos, 
 
 void mla_prep_qabs(const Launch& L, const MlaDims& d, const DevPos* pos, int64_t n, float* q, const float* kv,
                    const float* kv_norm_w, const float* rope, float* cache_kv, float* cache_pe, const DevLinear& w,
-                   float* qa) {
+                   float* qa, bool qabs_vec) {
   DSV3_CHECK(d.R % 2 == 0 && d.nope <= 8 * 16, "MLA shape beyond the fused prep/absorption kernel");
   const PrepArgs P{d, false, pos, q, kv, kv_norm_w, rope, cache_kv, cache_pe, nullptr, nullptr};
   const unsigned nq = unsigned(d.H) * cdiv(d.C, 64);
-  const size_t smem = sizeof(float) * kTB * (size_t(d.nope) + 8 * 64);
   const dim3 grid(nq + unsigned(n));
-  if (w.t == kBF16) launch(L, prep_qabs_kernel<kBF16>, grid, dim3(256), smem, P, w, n, qa);
-  else if (w.t == kFP8) launch(L, prep_qabs_kernel<kFP8>, grid, dim3(256), smem, P, w, n, qa);
-  else launch(L, prep_qabs_kernel<kF32>, grid, dim3(256), smem, P, w, n, qa);
+  // The 16-byte form: whole 64-column blocks, 16-byte aligned rows (and 128-row FP8 scale blocks
+  // that a 64-column block never straddles: col0 % 64 == 0).
+  const int eb = w.t == kBF16 ? 2 : (w.t == kFP8 ? 1 : 4);
+  const bool vec = qabs_vec && d.C % 64 == 0 && (w.ld * eb) % 16 == 0 && (w.col0 * eb) % 16 == 0 &&
+                   reinterpret_cast<uintptr_t>(w.w) % 16 == 0 && w.col0 % 64 == 0;
+  const int tb = !vec ? kTB : (n == 1 ? 1 : 4);
+  const size_t smem = sizeof(float) * tb * (size_t(d.nope) + 8 * 64);
+  auto go = [&](auto k1, auto k4, auto k0) {
+    launch(L, !vec ? k0 : (n == 1 ? k1 : k4), grid, dim3(256), smem, P, w, n, qa);
+  };
+  if (w.t == kBF16) go(prep_qabs_kernel<kBF16, 1>, prep_qabs_kernel<kBF16, 4>, prep_qabs_kernel<kBF16, 0>);
+  else if (w.t == kFP8) go(prep_qabs_kernel<kFP8, 1>, prep_qabs_kernel<kFP8, 4>, prep_qabs_kernel<kFP8, 0>);
+  else go(prep_qabs_kernel<kF32, 1>, prep_qabs_kernel<kF32, 4>, prep_qabs_kernel<kF32, 0>);
 }
 
 void mla_qabs(const Launch& L, const MlaDims& d, const DevLinear& w, const float* q, int64_t n, float* qa) {

@@ -20,6 +20,10 @@ __global__ void __launch_bounds__(kRouteWarps * 32) route_kernel(int mode, Route
   pdl_wait();
   pdl_trigger();
   const int warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
+  if (mode == 0 && s.n == 1 && int(blockDim.x) >= s.E) {  // one token: the block routes it
+    route_one_block(ra, logits, bias, s, topk_idx, topk_w);
+    return;
+  }
   if (mode != 2) {
     const int64_t first = int64_t(blockIdx.x) * nwarps + warp, stride = int64_t(gridDim.x) * nwarps;
     for (int64_t i = first; i < s.n; i += stride)
@@ -154,7 +158,7 @@ void moe_route(const Launch& L, const RouteArgs& r, const float* logits, const f
              "MoE shape beyond the CUDA router's limits (E <= 256, K <= 16, groups <= 64)");
   const bool tiles = true;
   if (s.n <= 64) {
-    const int64_t warps = std::min<int64_t>(kRouteWarps, std::max<int64_t>(s.n, 2));
+    const int64_t warps = s.n == 1 ? kRouteWarps : std::min<int64_t>(kRouteWarps, std::max<int64_t>(s.n, 2));
     launch(L, route_kernel, dim3(1), dim3(unsigned(warps * 32)), 0, 0, r, logits, bias, s, tiles, topk_idx, topk_w);
   } else {
     launch(L, route_kernel, dim3(cdiv(s.n, kRouteWarps)), dim3(kRouteWarps * 32), 0, 1, r, logits, bias, s, tiles,

@@ -155,6 +155,117 @@ __device__ void route_token_warp(const RouteArgs& ra, const float* __restrict__ 
   __syncwarp();
 }
 
+// One token (a step of one) by the whole block, one expert per thread (blockDim >= E): the same
+// choices as route_token_warp (gate.cc's order, higher value then lower index) found as each
+// expert's rank among all of them rather than by K serial warp-wide rounds, and the schedule
+// written directly (what route_token_warp's `direct` writes). topk_idx / topk_w: the choices in
+// choice order (tests). Every thread of the block must call it.
+__device__ void route_one_block(const RouteArgs& ra, const float* __restrict__ logits, const float* __restrict__ bias,
+                                const MoeSched& s, int32_t* topk_idx, float* topk_w) {
+  __shared__ float sc[kMaxE], ch[kMaxE], gs[kMaxG];
+  __shared__ double red[32];
+  __shared__ int order[kMaxK], wcnt[32];
+  __shared__ float wsum;
+  const int E = s.E, K = s.K, G = ra.G, per = E / G, e = threadIdx.x, lane = e & 31, warp = e >> 5;
+  const int nw = int(blockDim.x >> 5);
+  const bool live = e < E;
+  // Block-wide max or sum in double, the same value in every thread.
+  auto reduce = [&](double x, bool mx) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+      const double y = __shfl_xor_sync(0xffffffffu, x, o);
+      x = mx ? fmax(x, y) : x + y;
+    }
+    __syncthreads();  // red[] free
+    if (lane == 0) red[warp] = x;
+    __syncthreads();
+    double r = red[0];
+    for (int w = 1; w < nw; ++w) r = mx ? fmax(r, red[w]) : r + red[w];
+    return r;
+  };
+  const float v = live ? __ldcg(logits + e) : -INFINITY;  // written by other blocks (fused gate)
+  float p = 0.f;
+  if (!ra.sigmoid) {  // scores in double, rounded once, as model/gate.cc
+    const double mx = reduce(double(v), true);
+    const double ex = live ? exp(double(v) - mx) : 0.0;
+    const double sum = reduce(ex, false);
+    p = float(ex / sum);
+  } else if (live) {
+    p = float(1.0 / (1.0 + exp(-double(v))));
+  }
+  if (live) sc[e] = p, ch[e] = bias ? p + bias[e] : p;
+  __syncthreads();
+  if (G > 1) {  // group scores as gate.cc (max, or the top-2 sum with a bias), then keep the best groups
+    if (e < G) {
+      const float* c = ch + e * per;
+      float m1 = -INFINITY, m2 = -INFINITY;
+      for (int j = 0; j < per; ++j) {
+        if (c[j] > m1) m2 = m1, m1 = c[j];
+        else if (c[j] > m2) m2 = c[j];
+      }
+      gs[e] = bias ? m1 + m2 : m1;
+    }
+    __syncthreads();
+    bool keep = false;
+    if (live) {
+      const int g = e / per;
+      const float mine = gs[g];
+      int rank = 0;
+      for (int h = 0; h < G; ++h) rank += gs[h] > mine || (gs[h] == mine && h < g);
+      keep = rank < ra.topk_groups;
+    }
+    __syncthreads();
+    if (live && !keep) ch[e] = -INFINITY;
+    __syncthreads();
+  }
+  // Top-K: an expert is chosen when fewer than K others come before it.
+  bool chosen = false;
+  if (live) {
+    const float mine = ch[e];
+    int rank = 0;
+    for (int f = 0; f < E; ++f) {
+      const float c = ch[f];
+      rank += c > mine || (c == mine && f < e);
+    }
+    chosen = rank < K;
+    if (chosen) order[rank] = e;
+  }
+  __syncthreads();
+  if (e == 0) {
+    float sum = 0.f;
+    for (int k = 0; k < K; ++k) sum += sc[order[k]];  // in choice order, as gate.cc
+    wsum = sum;
+  }
+  __syncthreads();
+  auto weight_of = [&](float sc_e) {
+    float wv = sc_e;
+    if (ra.norm) wv /= wsum;
+    return wv * ra.route_scale;
+  };
+  if (topk_idx && e < K) topk_idx[e] = order[e], topk_w[e] = weight_of(sc[order[e]]);
+  // Routed choices by expert index: pair row = the number of chosen experts below it.
+  const unsigned msk = __ballot_sync(0xffffffffu, chosen);
+  if (lane == 0) wcnt[warp] = __popc(msk);
+  __syncthreads();
+  if (chosen) {
+    int pos = __popc(msk & ((1u << lane) - 1u));
+    for (int w = 0; w < warp; ++w) pos += wcnt[w];
+    s.pair_of[pos] = pos, s.pw[pos] = weight_of(sc[e]);
+    s.active[pos] = e, s.off[e] = pos, s.cnt[e] = 1, s.perm[pos] = 0;
+    s.tile_e[pos] = e, s.tile_m0[pos] = 0;
+  }
+  if (e < s.S) {  // shared slice e: pair row K + e, one tile
+    const int x = s.E + e, q = s.K + e;
+    s.active[q] = x, s.off[x] = q, s.cnt[x] = 1, s.perm[q] = 0;
+    s.tile_e[q] = x, s.tile_m0[q] = 0;
+    s.pair_of[q] = q, s.pw[q] = 1.f;
+  }
+  if (e == 0) {
+    *s.n_active = s.K + s.S, *s.n_tiles = s.K + s.S;
+    if (s.experts_run) atomicAdd(s.experts_run, (unsigned long long)s.K);
+  }
+}
+
 // Counts pairs per expert, lays the experts out (offsets, active list, 64-row GEMM tiles; one
 // warp scans) and turns pair_of's expert ids into pair rows. One block; after route_token_warp.
 __device__ void group_pairs(const MoeSched& s, bool tiles) {
