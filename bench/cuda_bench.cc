@@ -7,7 +7,8 @@
 //
 //   dsv3_cuda_bench [--dtypes bf16,fp8] [--steps 64] [--json FILE] [--quick] [--profile] [--prefill-only]
 //                   [--ctx N]   (decode after N prefilled positions per row; default 16)
-//                   [--decode-only] [--variants default,nopf,...]   (only the named runs)
+//                   [--decode-only] [--variants default,nopf,...]   (only the named runs; ko-attn+gate:
+//                   the default without those kernel groups, CudaOptions::knockout)
 // --profile adds a run that times every op and kernel group with events (no graphs).
 #include <cuda_runtime.h>
 
@@ -191,6 +192,9 @@ int main(int argc, char** argv) {
         o.tc_gemv_bf16_min = 1;  // the tensor-core GEMV for bf16 weights at one token too
         vars.push_back({"tcv-bf16", o, true, false});
         o = base;
+        o.decode_attn_warps = false;  // the decode attention's score, softmax and value passes
+        vars.push_back({"attn-passes", o, true, false});
+        o = base;
         o.qabs_vec = false;  // the decode q absorption element-wise
         vars.push_back({"qabs-scalar", o, true, false});
         o = base;
@@ -217,6 +221,13 @@ int main(int argc, char** argv) {
         o.fast = true;
         vars.push_back({"profile-fast", o, false, true, true});
       }
+      for (const std::string& v : only)  // ko-a+b: the default with kernel groups a and b not launched
+        if (v.rfind("ko-", 0) == 0) {
+          CudaOptions o = base;
+          o.knockout = v.substr(3);
+          std::replace(o.knockout.begin(), o.knockout.end(), '+', ',');
+          vars.push_back({v, o, true, false});
+        }
       if (!only.empty())
         vars.erase(std::remove_if(vars.begin(), vars.end(),
                                   [&](const Variant& v) { return std::find(only.begin(), only.end(), v.name) == only.end(); }),

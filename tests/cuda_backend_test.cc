@@ -732,11 +732,11 @@ TEST(CudaOps, DecodeAttentionMatchesFloat64) {
   auto cuda = make_cuda_backend(opts());
   cuda::MlaDims d;
   d.H = 16, d.nope = 128, d.R = 64, d.C = 512, d.V = 128, d.max_len = 2048, d.scale = 0.0721f;
-  const std::vector<cuda::DevPos> tp = {{0, 0}, {1, 700}, {2, 2047}};
+  const std::vector<cuda::DevPos> tp = {{0, 0}, {1, 700}, {2, 2047}, {3, 40}};  // 41: a few 16-row chunks
   const int64_t n = int64_t(tp.size()), H = d.H, C = d.C, R = d.R, qk = d.qk(), ML = d.max_len;
   ASSERT_TRUE(cuda::mla_decode_ok(d, n, 4096));
   const std::vector<float> qa = randn(size_t(n * H * C), 51), q = randn(size_t(n * H * qk), 52),
-                           ckv = randn(size_t(3 * ML * C), 53, 0.5f), cpe = randn(size_t(3 * ML * R), 54, 0.5f);
+                           ckv = randn(size_t(4 * ML * C), 53, 0.5f), cpe = randn(size_t(4 * ML * R), 54, 0.5f);
   std::vector<float> want(size_t(n * H * C));
   for (int64_t i = 0; i < n; ++i)
     for (int64_t h = 0; h < H; ++h) {
@@ -764,17 +764,36 @@ TEST(CudaOps, DecodeAttentionMatchesFloat64) {
                                      reinterpret_cast<const float*>(tp.data()) + 2 * tp.size()));
   for (int ns : {cuda::mla_decode_splits(d, n), 3, 1}) {
     Dev part(*cuda, size_t(ns * n * H * C)), ml(*cuda, size_t(ns * n * H * 2));
-    for (int rep = 0; rep < 2; ++rep) {
+    for (int rep = 0; rep < 4; ++rep) {  // both forms, twice each (the counters reset)
+      const bool warps = rep < 2;
       Dev out(*cuda, std::vector<float>(want.size(), std::nanf("")));
       cuda::Launch L;
       cuda::mla_decode_attn(L, d, reinterpret_cast<const cuda::DevPos*>(dpos.p), n, dqa.p, dq.p, dkv.p, dpe.p, ns,
-                            part.p, ml.p, reinterpret_cast<unsigned*>(cnt.p), out.p);
+                            part.p, ml.p, reinterpret_cast<unsigned*>(cnt.p), out.p, warps);
       ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
       const std::vector<float> got = out.get();
       for (size_t e = 0; e < got.size(); ++e) ASSERT_TRUE(std::isfinite(got[e])) << "unwritten or NaN at " << e;
-      EXPECT_LE(rel_l2(got.data(), want.data(), got.size()), 1e-5) << ns << " splits, launch " << rep;
+      EXPECT_LE(rel_l2(got.data(), want.data(), got.size()), 1e-5) << ns << " splits, launch " << rep
+                                                                    << (warps ? " (warps)" : " (passes)");
       const std::vector<float> c = cnt.get();
       EXPECT_TRUE(std::all_of(c.begin(), c.end(), [](float v) { return v == 0.f; })) << "counters left set";
+    }
+  }
+  // Each token alone (a step of one: the warp form loads its first cache rows before the wait).
+  for (int64_t i = 0; i < n; ++i) {
+    const int ns = cuda::mla_decode_splits(d, 1);
+    Dev part(*cuda, size_t(ns * H * C)), ml(*cuda, size_t(ns * H * 2));
+    Dev pos1(*cuda, std::vector<float>(reinterpret_cast<const float*>(&tp[size_t(i)]),
+                                       reinterpret_cast<const float*>(&tp[size_t(i)]) + 2));
+    for (bool warps : {true, false}) {
+      Dev out(*cuda, std::vector<float>(size_t(H * C), std::nanf("")));
+      cuda::Launch L;
+      cuda::mla_decode_attn(L, d, reinterpret_cast<const cuda::DevPos*>(pos1.p), 1, dqa.p + i * H * C, dq.p + i * H * qk,
+                            dkv.p, dpe.p, ns, part.p, ml.p, reinterpret_cast<unsigned*>(cnt.p), out.p, warps);
+      ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+      const std::vector<float> got = out.get();
+      EXPECT_LE(rel_l2(got.data(), want.data() + i * H * C, got.size()), 1e-5)
+          << "token " << i << " alone, " << ns << " splits" << (warps ? " (warps)" : " (passes)");
     }
   }
 }

@@ -52,12 +52,14 @@ CudaOptions CudaOptions::from_env() {
   o.flash = env_flag("DSV3_CUDA_FLASH", o.flash);
   o.fp8_wgmma = env_flag("DSV3_CUDA_FP8_WGMMA", o.fp8_wgmma);
   o.decode_attn = env_flag("DSV3_CUDA_DECODE_ATTN", o.decode_attn);
+  o.decode_attn_warps = env_flag("DSV3_CUDA_DECODE_ATTN_WARPS", o.decode_attn_warps);
   o.pair_gemv = env_flag("DSV3_CUDA_PAIR_GEMV", o.pair_gemv);
   o.qabs_vec = env_flag("DSV3_CUDA_QABS_VEC", o.qabs_vec);
   o.tc_gemv_max = env_int("DSV3_CUDA_TC_GEMV_MAX", o.tc_gemv_max);
   o.tc_gemv_bf16_min = env_int("DSV3_CUDA_TC_GEMV_BF16_MIN", o.tc_gemv_bf16_min);
   o.progress = env_flag("DSV3_CUDA_PROGRESS", isatty(2) != 0);
   o.profile = env_flag("DSV3_CUDA_PROFILE", o.profile);
+  if (const char* k = std::getenv("DSV3_CUDA_KNOCKOUT")) o.knockout = k;
   return o;
 }
 
@@ -427,11 +429,12 @@ class CudaBackend final : public Backend {
     if (pend_.y && pend_.y == x && stride == d && pend_.n == n * d) {  // the residual add, fused
       if (pend_.from_moe) {
         mark("moe.combine+add+rmsnorm");
-        cuda::moe_combine_add_rmsnorm(L_, pmoe_.s, pmoe_.o, pmoe_.d, pmoe_.y, pend_.y, w.as<float>(), eps, y);
+        if (!ko("combine"))
+          cuda::moe_combine_add_rmsnorm(L_, pmoe_.s, pmoe_.o, pmoe_.d, pmoe_.y, pend_.y, w.as<float>(), eps, y);
         pmoe_.active = false;
       } else {
         mark("add+rmsnorm");
-        cuda::add_rmsnorm(L_, pend_.y, pend_.x, n, d, w.as<float>(), eps, y);
+        if (!ko("norm")) cuda::add_rmsnorm(L_, pend_.y, pend_.x, n, d, w.as<float>(), eps, y);
       }
       pend_ = {};
       return;
@@ -462,7 +465,7 @@ class CudaBackend final : public Backend {
       plin_ = {};
       flush_add();
       if (opt_.profile) mark(str("linear pair ", p.w.rows, "+", dw.rows, "x", dw.cols, " ", dtype_name(w.weight.dtype)));
-      cuda::gemv2(L_, p.w, p.y, dw, y, x, n);
+      if (!ko("pair")) cuda::gemv2(L_, p.w, p.y, dw, y, x, n);
       return;
     }
     flush_add();
@@ -475,7 +478,7 @@ class CudaBackend final : public Backend {
     // reach every later token through the cache (with bf16 activations here as well, the golden
     // cases' max error exceeds the reference's own bf16 row: measured). Fast mode is for the
     // MLPs, experts and the attention core.
-    run_linear(dw, x, n, y, w.out(), /*exact=*/true);
+    if (!ko("linear")) run_linear(dw, x, n, y, w.out(), /*exact=*/true);
   }
   // The linear waiting for a partner, alone.
   void flush_linear() {
@@ -533,7 +536,7 @@ class CudaBackend final : public Backend {
     const DevLinear gate = dev_linear(Linear{w.gate, {}});
     const int64_t P = s.P(), D = a.dim;
     if (n <= std::min(opt_.gemv_max, 8) && gate.t != cuda::kFP8 && !(use_tc(n) && tc_takes(gate))) {
-      cuda::gate_route(L_, gate, x, n, logits, r, bias, s, counter_);
+      if (!ko("gate")) cuda::gate_route(L_, gate, x, n, logits, r, bias, s, counter_);
     } else {
       run_linear(gate, x, n, logits, E, /*exact=*/true);  // routing: no bf16 shortcut
       mark("moe.route");
@@ -555,6 +558,7 @@ class CudaBackend final : public Backend {
       j1.stage = 1, j1.a_idx = nullptr, j1.a_hi = j0.o_hi, j1.a_lo = j0.o_lo, j1.lda = T.rows13;
       j1.c = o, j1.ldc = D;
       cuda::tc_gemm(L_, j1, s.max_tiles(), T.rows2);
+    } else if (ko("experts")) {
     } else if (n <= opt_.gemv_max || !T.gemm) {
       // GEMVs: on tensor cores where they take the experts (tcv_moe), else the FMA kernels.
       float* h = f32(kMoeH, size_t(P * T.rows13));
@@ -598,7 +602,8 @@ class CudaBackend final : public Backend {
       float* ol = f32(kKvb, size_t(n * H * C));
       {
         float* qa = f32(kLat, size_t(n * H * C));
-        if (nope <= 128) {
+        if (ko("prep")) {
+        } else if (nope <= 128) {
           cuda::mla_prep_qabs(L_, d, pos, n, q, kv, w.kv_norm.as<float>(), cs, cache.kv, cache.pe, wkv_b, qa,
                               opt_.qabs_vec);
         } else {
@@ -611,9 +616,11 @@ class CudaBackend final : public Backend {
         const int ns = one ? cuda::mla_decode_splits(d, n) : cuda::mla_splits(d, n);
         float* part = ns > 1 ? f32(kPart, size_t(ns * n * H * C)) : nullptr;
         float* ml = ns > 1 ? f32(kMl, size_t(ns * n * H * 2)) : nullptr;
-        if (one) {
+        if (ko("attn")) {
+        } else if (one) {
           mark("mla.attn1");
-          cuda::mla_decode_attn(L_, d, pos, n, qa, q, cache.kv, cache.pe, ns, part, ml, attn_counters_, ol);
+          cuda::mla_decode_attn(L_, d, pos, n, qa, q, cache.kv, cache.pe, ns, part, ml, attn_counters_, ol,
+                                opt_.decode_attn_warps);
         } else {
           float* S = f32(kS, size_t(n * H * max_len));
           mark("mla.scores");
@@ -627,6 +634,7 @@ class CudaBackend final : public Backend {
       const DevLinear wv = slice(wkv_b, nope, V, 0, C);
       cuda::GemvShift sh;
       sh.xs = C, sh.ys = V, sh.wrows = nope + V;
+      if (ko("out")) return;
       if (use_tc(n) && tc_takes(wv)) {
         cuda::TcJob j;
         j.a_hi = scratch(kHi2, size_t(n * H * C) * 2);
@@ -724,6 +732,13 @@ class CudaBackend final : public Backend {
     mark("add");
     cuda::add(L_, pend_.y, pend_.x, pend_.n);
     pend_ = {};
+  }
+
+  // CudaOptions::knockout names `group` (a measurement aid).
+  bool ko(const char* group) const {
+    if (opt_.knockout.empty()) return false;
+    const std::string k = "," + opt_.knockout + ",";
+    return k.find(str(",", group, ",")) != std::string::npos;
   }
 
   // Profiling: an event at each stage boundary; the time to the next one goes to the stage.

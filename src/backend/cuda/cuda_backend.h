@@ -20,6 +20,9 @@ struct CudaOptions {
                         // allow; off: cuBLAS scores, a softmax kernel and cuBLAS values (DSV3_CUDA_FLASH=0)
   bool decode_attn = true; // absorbed attention of up to 16 tokens (decode) as one launch; off: scores, values
                            // (and a split reduction) as separate kernels (DSV3_CUDA_DECODE_ATTN=0)
+  bool decode_attn_warps = true; // ... with each warp folding its cache rows into a running softmax as they
+                                 // arrive (one load round per 16 positions; DSV3_CUDA_DECODE_ATTN_WARPS=0:
+                                 // score, softmax and value passes)
   bool pair_gemv = true; // two GEMVs on the same activations (wq and wkv_a at decode) in one launch
                          // (DSV3_CUDA_PAIR_GEMV=0: one launch each)
   bool qabs_vec = true;  // the decode q absorption with 16-byte weight loads (DSV3_CUDA_QABS_VEC=0: element-wise)
@@ -42,6 +45,11 @@ struct CudaOptions {
   size_t upload_chunk = size_t(64) << 20;  // bytes per pinned staging buffer of the weight upload (two)
   bool fp8_wgmma = true; // FP8 weights in the pipelined kernel's wgmma form (widened to bf16 in shared memory)
                          // for products of tc_min+ tokens; off: the WMMA GEMM (DSV3_CUDA_FP8_WGMMA=0)
+  // A measurement aid, never for results: decode-step kernel groups not launched at all
+  // (comma-separated: norm, combine, pair, prep, attn, out, linear, gate, experts), so a
+  // benchmark's step time without them shows what each costs inside the recorded step
+  // (DSV3_CUDA_KNOCKOUT). Their outputs keep whatever the buffers held.
+  std::string knockout;
   // FP8 weights are always dequantised inside the kernels (no FP8 tensor-core arithmetic: that
   // would quantise the activations too), which is what DSV3_CUDA_FP8_DEQUANT=1 asks for; the
   // variable is accepted for that reason.

@@ -266,12 +266,14 @@ void mla_values(const Launch& L, const MlaDims& d, const DevPos* pos, int64_t n,
 // splits combined by the last block of each (token, head pair), counted in `counters`: zeroed
 // device words, at least n * ceil(H / 2), left zeroed). mla_decode_ok: the shapes it takes.
 // mla_decode_splits: its position splits for n tokens (from max_len, not the positions: a
-// recorded step replays with others).
+// recorded step replays with others); each token's positions spread over as many of them as
+// give chunks of at least 16 rows, decided on the device.
 bool mla_decode_ok(const MlaDims& d, int64_t n, int64_t counters);
 int mla_decode_splits(const MlaDims& d, int64_t n);
 void mla_decode_attn(const Launch& L, const MlaDims& d, const DevPos* pos, int64_t n, const float* qa, const float* q,
                      const float* cache_kv, const float* cache_pe, int nsplit, float* part, float* ml,
-                     unsigned* counters, float* ol);
+                     unsigned* counters, float* ol, bool warps = true);  // warps: each warp's rows folded in
+                                                                      // as loaded; else score/softmax/value passes
 // Naive: k_nope and v of the new tokens from kvb [n, H * (nope + V)] into the caches.
 void mla_naive_store(const Launch& L, const MlaDims& d, const DevPos* pos, int64_t n, const float* kvb,
                      float* cache_k, float* cache_v);

@@ -412,27 +412,89 @@ __global__ void values_reduce_kernel(MlaDims d, const DevPos* __restrict__ pos, 
 // caches, float32 softmax and the weighted latent sum. Block: token i, HB heads, positions
 // [z * chunk, (z + 1) * chunk) in passes of kDecPass with a running max and sum. With several
 // position splits the blocks leave partial sums (part, ml) and the last one to finish for
-// (i, head block), by an atomic count, combines them: no second launch.
+// (i, head block), by an atomic count, combines them: no second launch. The chunk follows the
+// token's length on the device (a recorded step replays at any position): the length over the
+// launch's splits, rounded up to whole kDecMinChunk (a block's round of score rows), so short
+// caches spread over several blocks with one short chain of loads each.
 constexpr int kDecPass = 128, kDecCols = 2;  // positions per pass; latent columns per thread (C <= 512)
 constexpr int kDecMaxSplits = kDecPass;      // the split factors reuse the score buffer
+constexpr int kDecMinChunk = 16;
+
+__device__ __forceinline__ int64_t dec_chunk(int64_t len, int64_t nsplit) {
+  const int64_t c = (len + nsplit - 1) / nsplit;
+  return (c + kDecMinChunk - 1) / kDecMinChunk * kDecMinChunk;
+}
+
+// The lane's share of two cache rows' dot products with one head's query (columns lane + 32 m).
+__device__ __forceinline__ void row_dots(const float* kr, const float* kq, const float* qh, int CR, int lane, float& a,
+                                         float& b) {
+  a = 0.f, b = 0.f;
+#pragma unroll
+  for (int m = 0; m < kMaxJ; ++m) {
+    const int j = lane + 32 * m;
+    if (j < CR) a = fmaf(kr[m], qh[j], a), b = fmaf(kq[m], qh[j], b);
+  }
+}
+
+// After a split's block of the decode attention has written its partial sums (part, ml): the
+// last of the token's ns splits for this head block (an atomic count) combines them into ol, each
+// split's factor exp(m_z - M) once in shared memory (fz: [hb][kDecMaxSplits]; lsum: [hb]), then
+// the partial sums with loads in flight; it leaves the counter zeroed for the next launch.
+__device__ void combine_splits(const MlaDims& d, int64_t n, int64_t i, int h0, int hb, int ns,
+                               const float* __restrict__ part, const float* __restrict__ ml, unsigned* counters,
+                               float* __restrict__ ol, float* fz, float* lsum) {
+  __shared__ bool last;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  __threadfence();
+  __syncthreads();
+  if (threadIdx.x == 0) last = atomicAdd(&counters[blockIdx.x], 1u) == unsigned(ns - 1);
+  __syncthreads();
+  if (!last) return;
+  __threadfence();
+  if (warp < hb) {
+    const int64_t ih = i * d.H + h0 + warp;
+    float M = -INFINITY;
+    for (int zz = lane; zz < ns; zz += 32) M = fmaxf(M, __ldcg(ml + (zz * n * d.H + ih) * 2));
+    M = warp_max(M);
+    float Ls = 0.f;
+    for (int zz = lane; zz < ns; zz += 32) {
+      const float f = expf(__ldcg(ml + (zz * n * d.H + ih) * 2) - M);
+      fz[warp * kDecMaxSplits + zz] = f;
+      Ls += __ldcg(ml + (zz * n * d.H + ih) * 2 + 1) * f;
+    }
+    Ls = warp_sum(Ls);
+    if (lane == 0) lsum[warp] = Ls;
+  }
+  __syncthreads();
+  for (int h = 0; h < hb; ++h) {
+    const int64_t ih = i * d.H + h0 + h;
+    for (int col = threadIdx.x; col < d.C; col += blockDim.x) {
+      float sum = 0.f;
+#pragma unroll 4
+      for (int zz = 0; zz < ns; ++zz) sum += __ldcg(part + (zz * n * d.H + ih) * d.C + col) * fz[h * kDecMaxSplits + zz];
+      ol[ih * d.C + col] = sum / lsum[h];
+    }
+  }
+  if (threadIdx.x == 0) counters[blockIdx.x] = 0;  // ready for the next launch
+}
 
 template <int HB>
 __global__ void __launch_bounds__(256) decode_attn_kernel(MlaDims d, const DevPos* __restrict__ pos, int64_t n,
                                                           const float* __restrict__ qa, const float* __restrict__ q,
                                                           const float* __restrict__ ckv, const float* __restrict__ cpe,
-                                                          int64_t chunk, float* __restrict__ part,
+                                                          float* __restrict__ part,
                                                           float* __restrict__ ml, unsigned* __restrict__ counters,
                                                           float* __restrict__ ol) {
   extern __shared__ float dsm[];  // q [HB][C + R], p [HB][kDecPass]
   __shared__ float m_run[HB], l_run[HB], alpha[HB];
-  __shared__ bool last;
   pdl_wait();
   pdl_trigger();
   const int nhb = (d.H + HB - 1) / HB, CR = d.C + d.R, qk = d.qk();
   const int64_t i = blockIdx.x / nhb;
   const int h0 = int(blockIdx.x % nhb) * HB, hb = min(HB, d.H - h0);
   const DevPos p = pos[i];
-  const int64_t len = int64_t(p.pos) + 1, ts = int64_t(blockIdx.z) * chunk, te = min(len, ts + chunk);
+  const int64_t len = int64_t(p.pos) + 1, chunk = dec_chunk(len, gridDim.z);
+  const int64_t ts = int64_t(blockIdx.z) * chunk, te = min(len, ts + chunk);
   if (ts >= len) return;  // not one of this token's splits
   const int ns = int((len + chunk - 1) / chunk);
   float* qs = dsm;
@@ -467,12 +529,8 @@ __global__ void __launch_bounds__(256) decode_attn_kernel(MlaDims d, const DevPo
       }
 #pragma unroll
       for (int h = 0; h < HB; ++h) {
-        float sh = 0.f, sq = 0.f;
-#pragma unroll
-        for (int m = 0; m < kMaxJ; ++m) {
-          const int j = lane + 32 * m;
-          if (j < CR) sh = fmaf(kr[m], qs[h * CR + j], sh), sq = fmaf(kq[m], qs[h * CR + j], sq);
-        }
+        float sh, sq;
+        row_dots(kr, kq, qs + h * CR, CR, lane, sh, sq);
         sh = warp_sum(sh);
         sq = warp_sum(sq);
         if (lane == 0) {
@@ -550,40 +608,121 @@ __global__ void __launch_bounds__(256) decode_attn_kernel(MlaDims d, const DevPo
     const int64_t ih = i * d.H + h0 + threadIdx.x;
     ml[(z * n * d.H + ih) * 2] = m_run[threadIdx.x], ml[(z * n * d.H + ih) * 2 + 1] = l_run[threadIdx.x];
   }
-  __threadfence();
-  __syncthreads();
-  if (threadIdx.x == 0) last = atomicAdd(&counters[blockIdx.x], 1u) == unsigned(ns - 1);
-  __syncthreads();
-  if (!last) return;
-  __threadfence();
-  // Combine the splits (as values_reduce_kernel): each split's factor exp(m_z - M) once, in
-  // shared memory (the score buffer is free now), then the partial sums with loads in flight.
-  float* fz = ps;  // [HB][kDecMaxSplits]
-  if (warp < hb) {
-    const int64_t ih = i * d.H + h0 + warp;
-    float M = -INFINITY;
-    for (int zz = lane; zz < ns; zz += 32) M = fmaxf(M, __ldcg(ml + (zz * n * d.H + ih) * 2));
-    M = warp_max(M);
-    float Ls = 0.f;
-    for (int zz = lane; zz < ns; zz += 32) {
-      const float f = expf(__ldcg(ml + (zz * n * d.H + ih) * 2) - M);
-      fz[warp * kDecMaxSplits + zz] = f;
-      Ls += __ldcg(ml + (zz * n * d.H + ih) * 2 + 1) * f;
+  combine_splits(d, n, i, h0, hb, ns, part, ml, counters, ol, ps, l_run);
+}
+
+// The same attention with each warp's rows folded in as they arrive (decode steps): warp w takes
+// the block's positions w, w + 8, ... two at a time, keeps a running max, sum and latent-weighted
+// sum per head in registers (its lanes' columns), and the 8 warps' states then merge in shared
+// memory — one round of cache loads per 16 positions instead of a score pass, a softmax pass
+// and a value pass over shared scores. One token (PRE): the cache rows before its own position
+// were written by earlier steps, so their first loads go out before the wait.
+template <int HB, bool PRE>
+__global__ void __launch_bounds__(256) decode_attn_warps_kernel(MlaDims d, const DevPos* __restrict__ pos, int64_t n,
+                                                                const float* __restrict__ qa,
+                                                                const float* __restrict__ q,
+                                                                const float* __restrict__ ckv,
+                                                                const float* __restrict__ cpe,
+                                                                float* __restrict__ part, float* __restrict__ ml,
+                                                                unsigned* __restrict__ counters,
+                                                                float* __restrict__ ol) {
+  extern __shared__ float dsm[];  // q [HB][C + R], the warps' sums [8][HB][C], split factors [HB][kDecMaxSplits]
+  __shared__ float wm[8][HB], wl[8][HB], lsum[HB];
+  const int nhb = (d.H + HB - 1) / HB, CR = d.C + d.R, qk = d.qk();
+  const int64_t i = blockIdx.x / nhb;
+  const int h0 = int(blockIdx.x % nhb) * HB, hb = min(HB, d.H - h0);
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  // (pos: the step's metadata, copied before the step's first kernel)
+  const DevPos p = pos[i];
+  const int64_t len = int64_t(p.pos) + 1, chunk = dec_chunk(len, gridDim.z);
+  const int64_t ts = int64_t(blockIdx.z) * chunk, te = min(len, ts + chunk);
+  const int64_t row0 = int64_t(p.slot) * d.max_len;
+  float* qs = dsm;
+  float* ws = dsm + HB * CR;
+  float* fz = ws + 8 * HB * d.C;
+  auto load_row = [&](int64_t t, float* k) {
+#pragma unroll
+    for (int m = 0; m < kMaxJ; ++m) {
+      const int j = lane + 32 * m;
+      k[m] = j < d.C ? ckv[(row0 + t) * d.C + j] : (j < CR ? cpe[(row0 + t) * d.R + (j - d.C)] : 0.f);
     }
-    Ls = warp_sum(Ls);
-    if (lane == 0) l_run[warp] = Ls;
+  };
+  float kr[kMaxJ], kq[kMaxJ];
+  int64_t t = ts + warp;
+  bool pre = false;
+  if (PRE && t + 8 < len - 1 && t < te) {  // both of the first rows written by earlier steps
+    load_row(t, kr);
+    if (t + 8 < te) load_row(t + 8, kq);
+    pre = true;
+  }
+  pdl_wait();
+  if (ts >= len) return;  // not one of this token's splits
+  const int ns = int((len + chunk - 1) / chunk);
+  for (int e = threadIdx.x; e < HB * CR; e += blockDim.x) {
+    const int h = e / CR, j = e % CR;
+    const int64_t ih = i * d.H + h0 + h;
+    qs[e] = h >= hb ? 0.f : (j < d.C ? qa[ih * d.C + j] : q[ih * qk + d.nope + (j - d.C)]);
   }
   __syncthreads();
+  float mx[HB], l[HB], acc[HB][kMaxJ];
+#pragma unroll
+  for (int h = 0; h < HB; ++h) {
+    mx[h] = -INFINITY, l[h] = 0.f;
+#pragma unroll
+    for (int m = 0; m < kMaxJ; ++m) acc[h][m] = 0.f;
+  }
+  for (; t < te; t += 16) {
+    const bool two = t + 8 < te;
+    if (!pre) {
+      load_row(t, kr);
+      if (two) load_row(t + 8, kq);
+    }
+    pre = false;
+#pragma unroll
+    for (int h = 0; h < HB; ++h) {
+      float sa, sb;
+      row_dots(kr, kq, qs + h * CR, CR, lane, sa, sb);
+      sa = warp_sum(sa) * d.scale;
+      sb = two ? warp_sum(sb) * d.scale : -INFINITY;
+      const float mn = fmaxf(mx[h], fmaxf(sa, sb));
+      const float f = expf(mx[h] - mn), pa = expf(sa - mn), pb = two ? expf(sb - mn) : 0.f;
+      l[h] = l[h] * f + pa + pb;
+      mx[h] = mn;
+#pragma unroll
+      for (int m = 0; m < kMaxJ; ++m) acc[h][m] = acc[h][m] * f + pa * kr[m] + pb * (two ? kq[m] : 0.f);
+    }
+  }
+  // Merge the warps (a warp without rows has max -inf, sum 0: factor 0).
+#pragma unroll
+  for (int h = 0; h < HB; ++h) {
+#pragma unroll
+    for (int m = 0; m < kMaxJ; ++m) {
+      const int j = lane + 32 * m;
+      if (j < d.C) ws[(warp * HB + h) * d.C + j] = acc[h][m];
+    }
+    if (lane == 0) wm[warp][h] = mx[h], wl[warp][h] = l[h];
+  }
+  __syncthreads();
+  const int64_t z = blockIdx.z;
   for (int h = 0; h < hb; ++h) {
+    float M = -INFINITY;
+#pragma unroll
+    for (int w = 0; w < 8; ++w) M = fmaxf(M, wm[w][h]);
+    float fw[8], L = 0.f;
+#pragma unroll
+    for (int w = 0; w < 8; ++w) fw[w] = expf(wm[w][h] - M), L += wl[w][h] * fw[w];
     const int64_t ih = i * d.H + h0 + h;
     for (int col = threadIdx.x; col < d.C; col += blockDim.x) {
-      float sum = 0.f;
-#pragma unroll 4
-      for (int zz = 0; zz < ns; ++zz) sum += __ldcg(part + (zz * n * d.H + ih) * d.C + col) * fz[h * kDecMaxSplits + zz];
-      ol[ih * d.C + col] = sum / l_run[h];
+      float o = 0.f;
+#pragma unroll
+      for (int w = 0; w < 8; ++w) o += ws[(w * HB + h) * d.C + col] * fw[w];
+      if (ns == 1) ol[ih * d.C + col] = o / L;
+      else part[(z * n * d.H + ih) * d.C + col] = o;
     }
+    if (ns > 1 && threadIdx.x == 0) ml[(z * n * d.H + ih) * 2] = M, ml[(z * n * d.H + ih) * 2 + 1] = L;
   }
-  if (threadIdx.x == 0) counters[blockIdx.x] = 0;  // ready for the next launch
+  if (ns == 1) return;
+  combine_splits(d, n, i, h0, hb, ns, part, ml, counters, ol, fz, lsum);
 }
 
 __global__ void naive_store_kernel(MlaDims d, const DevPos* __restrict__ pos, const float* __restrict__ kvb,
@@ -732,9 +871,9 @@ void mla_values(const Launch& L, const MlaDims& d, const DevPos* pos, int64_t n,
 }
 
 int mla_decode_splits(const MlaDims& d, int64_t n) {
-  // 64 positions per block where the blocks stay few (at most 512 with the splits: bounded
-  // partials), and no more splits than the combining block's factor table holds.
-  const int64_t blocks = n * ((d.H + 1) / 2), by_len = (d.max_len + 63) / 64;
+  // As many splits as keep the blocks few (at most 512: bounded partials), no more than the
+  // combining block's factor table holds or the cache has chunks of kDecMinChunk.
+  const int64_t blocks = n * ((d.H + 1) / 2), by_len = (d.max_len + kDecMinChunk - 1) / kDecMinChunk;
   const int64_t s = std::min<int64_t>({by_len, 512 / std::max<int64_t>(blocks, 1), kDecMaxSplits});
   return int(std::max<int64_t>(1, s));
 }
@@ -746,13 +885,21 @@ bool mla_decode_ok(const MlaDims& d, int64_t n, int64_t counters) {
 
 void mla_decode_attn(const Launch& L, const MlaDims& d, const DevPos* pos, int64_t n, const float* qa, const float* q,
                      const float* cache_kv, const float* cache_pe, int nsplit, float* part, float* ml,
-                     unsigned* counters, float* ol) {
+                     unsigned* counters, float* ol, bool warps) {
   constexpr int HB = 2;
   DSV3_CHECK(nsplit >= 1 && nsplit <= kDecMaxSplits, "mla_decode_attn: ", nsplit, " position splits");
-  const int64_t chunk = (d.max_len + nsplit - 1) / nsplit;
+  const dim3 grid(unsigned(n * cdiv(d.H, HB)), 1, unsigned(nsplit));
+  if (warps) {
+    const size_t smem = sizeof(float) * size_t(HB) * size_t(d.C + d.R + 8 * d.C + kDecMaxSplits);
+    // (38.4 KB at C 512: within the default 48 KB; mla_decode_ok caps C at 512)
+    if (n == 1) launch(L, decode_attn_warps_kernel<HB, true>, grid, dim3(256), smem, d, pos, n, qa, q, cache_kv, cache_pe,
+                       part, ml, counters, ol);
+    else launch(L, decode_attn_warps_kernel<HB, false>, grid, dim3(256), smem, d, pos, n, qa, q, cache_kv, cache_pe,
+                part, ml, counters, ol);
+    return;
+  }
   const size_t smem = sizeof(float) * size_t(HB) * size_t(d.C + d.R + kDecPass);
-  launch(L, decode_attn_kernel<HB>, dim3(unsigned(n * cdiv(d.H, HB)), 1, unsigned(nsplit)), dim3(256), smem, d, pos, n,
-         qa, q, cache_kv, cache_pe, chunk, part, ml, counters, ol);
+  launch(L, decode_attn_kernel<HB>, grid, dim3(256), smem, d, pos, n, qa, q, cache_kv, cache_pe, part, ml, counters, ol);
 }
 
 void mla_naive_store(const Launch& L, const MlaDims& d, const DevPos* pos, int64_t n, const float* kvb, float* cache_k,
