@@ -529,3 +529,57 @@ TEST(Sampler, LargeVocabKeepsOnlyTheTopK) {
   EXPECT_LT(mass_before_last, 0.9);
   EXPECT_GE(mass_before_last + full[size_t(order[kept - 1])], 0.9 - 1e-6);
 }
+
+// The filters on a large vocabulary (where only a growing prefix of the order is sorted) against
+// the definitions with one full sort: survivors, their probabilities and the draws' support, for
+// flat and peaked logits and filters that keep from one token to most of the vocabulary.
+TEST(Sampler, LargeVocabFiltersMatchAFullSort) {
+  const int v = 20000;
+  std::mt19937_64 gen(11);
+  for (float spread : {0.05f, 1.f, 4.f}) {
+    std::normal_distribution<float> normal(0.f, spread);
+    std::vector<float> l(static_cast<size_t>(v));
+    for (float& x : l) x = gen() % 50 == 0 ? kNegInf : normal(gen);
+    for (int i = 0; i < 100; ++i) l[size_t(gen() % v)] = l[size_t(gen() % v)];  // ties
+    struct F {
+      float temperature, top_p, min_p;
+      int top_k;
+    };
+    for (const F& f : {F{1.f, 0.9f, 0.f, 0}, F{0.7f, 0.5f, 0.f, 0}, F{1.3f, 0.999f, 0.f, 0}, F{1.f, 1.f, 0.3f, 0},
+                       F{1.f, 1.f, 0.001f, 0}, F{0.8f, 0.95f, 0.02f, 0}, F{1.f, 0.9f, 0.f, 3000}, F{1.f, 1e-6f, 0.f, 0}}) {
+      SamplingParams p = params(f.temperature, 5);
+      p.top_p = f.top_p, p.min_p = f.min_p, p.top_k = f.top_k;
+      const std::string what = "spread " + std::to_string(spread) + " t " + std::to_string(f.temperature) + " top_p " +
+                               std::to_string(f.top_p) + " min_p " + std::to_string(f.min_p) + " top_k " +
+                               std::to_string(f.top_k);
+      // The definitions, with one full sort (most likely first, ties to the lower id).
+      std::vector<int32_t> order;
+      for (int32_t i = 0; i < v; ++i)
+        if (l[size_t(i)] != kNegInf) order.push_back(i);
+      std::sort(order.begin(), order.end(), [&](int32_t a, int32_t b) {
+        return l[size_t(a)] > l[size_t(b)] || (l[size_t(a)] == l[size_t(b)] && a < b);
+      });
+      if (f.top_k > 0) order.resize(size_t(f.top_k));
+      std::vector<double> q(order.size());
+      double all = 0;
+      for (size_t i = 0; i < order.size(); ++i)
+        all += q[i] = std::exp((double(l[size_t(order[i])]) - l[size_t(order[0])]) / f.temperature);
+      size_t keep = 0;
+      double mass = 0;
+      while (keep < q.size() && mass < double(f.top_p)) mass += q[keep++] / all;
+      size_t keep2 = 1;
+      while (keep2 < keep && q[keep2] >= double(f.min_p) * q[0]) ++keep2;
+      std::vector<double> want(static_cast<size_t>(v), 0.0);
+      double kept = 0;
+      for (size_t i = 0; i < keep2; ++i) kept += q[i];
+      for (size_t i = 0; i < keep2; ++i) want[size_t(order[i])] = q[i] / kept;
+      Sampler s(p);
+      const std::vector<double> got = s.probabilities(l.data(), v, {});
+      size_t n_got = 0;
+      for (size_t i = 0; i < got.size(); ++i) n_got += got[i] > 0;
+      EXPECT_EQ(n_got, keep2) << what;
+      expect_probs_near(got, want, 1e-9);
+      for (int d = 0; d < 20; ++d) EXPECT_GT(want[size_t(s.sample(l.data(), v, {}))], 0.0) << what;
+    }
+  }
+}

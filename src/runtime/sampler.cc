@@ -113,38 +113,52 @@ Sampler::Candidates Sampler::filter(const float* logits, int vocab, const std::v
   auto before = [&](int32_t a, int32_t b) {
     return z[size_t(a)] > z[size_t(b)] || (z[size_t(a)] == z[size_t(b)] && a < b);
   };
+  const double inv_t = 1.0 / double(p.temperature);
+  auto weight = [&](int32_t id, double top) { return std::exp((double(z[size_t(id)]) - top) * inv_t); };
   // top-k: exactly the k first in that order (a tie at the boundary goes to the lower ids).
-  if (p.top_k > 0 && size_t(p.top_k) < c.ids.size()) {
+  const bool top_k = p.top_k > 0 && size_t(p.top_k) < c.ids.size();
+  if (top_k) {
     std::partial_sort(c.ids.begin(), c.ids.begin() + p.top_k, c.ids.end(), before);
     c.ids.resize(size_t(p.top_k));
-  } else if (p.top_p < 1.f || p.min_p > 0.f) {
-    std::sort(c.ids.begin(), c.ids.end(), before);
-  } else {  // no filter needs the order: just bring the most likely token to the front
+  }
+  if (p.top_p < 1.f || p.min_p > 0.f) {
+    // top-p and min-p keep a prefix of that order. The softmax needs every survivor's weight, but
+    // only the prefix needs sorting: the most likely m in order (nth_element, then a sort of m),
+    // m growing fourfold until the filters stop inside it; the kept tokens, their order and so
+    // their probabilities are those of a full sort.
+    if (!top_k) std::iter_swap(c.ids.begin(), std::min_element(c.ids.begin(), c.ids.end(), before));
+    const double top = double(z[size_t(c.ids[0])]);
+    double all = 0;
+    for (int32_t id : c.ids) all += weight(id, top);
+    const size_t n = c.ids.size();
+    size_t m = std::min<size_t>(n, 256), keep = 0;
+    for (;;) {
+      if (m < n) std::nth_element(c.ids.begin(), c.ids.begin() + std::ptrdiff_t(m), c.ids.end(), before);
+      std::sort(c.ids.begin(), c.ids.begin() + std::ptrdiff_t(m), before);
+      // top-p: the shortest prefix whose mass reaches top_p (a token is kept if the mass before
+      // it is below top_p, so the most likely token always stays); then min-p within it: tokens
+      // at least min_p times as likely as the most likely one.
+      double mass = 0;
+      keep = 0;
+      const double floor = double(p.min_p) * weight(c.ids[0], top) / all;
+      while (keep < m && (p.top_p >= 1.f || mass < double(p.top_p))) {
+        const double q = weight(c.ids[keep], top) / all;
+        if (keep > 0 && p.min_p > 0.f && q < floor) break;
+        mass += q, ++keep;
+      }
+      const bool open = keep == m && (p.top_p >= 1.f || mass < double(p.top_p));  // may go on past m
+      if (!open || m == n) break;
+      m = std::min(n, 4 * m);
+    }
+    c.ids.resize(keep);
+  } else if (!top_k) {  // no filter needs the order: just bring the most likely token to the front
     std::iter_swap(c.ids.begin(), std::min_element(c.ids.begin(), c.ids.end(), before));
   }
   // Softmax of logit / temperature over the survivors, in double; the first is the largest.
-  const double inv_t = 1.0 / double(p.temperature), top = double(z[size_t(c.ids[0])]);
+  const double top = double(z[size_t(c.ids[0])]);
   c.probs.resize(c.ids.size());
   double sum = 0;
-  for (size_t i = 0; i < c.ids.size(); ++i) sum += c.probs[i] = std::exp((double(z[size_t(c.ids[i])]) - top) * inv_t);
-  for (double& q : c.probs) q /= sum;
-  // top-p: the shortest prefix whose mass reaches top_p (a token is kept if the mass before it
-  // is below top_p, so the most likely token always stays).
-  if (p.top_p < 1.f) {
-    double mass = 0;
-    size_t keep = 0;
-    while (keep < c.probs.size() && mass < double(p.top_p)) mass += c.probs[keep++];
-    c.ids.resize(keep);
-    c.probs.resize(keep);
-  }
-  // min-p: tokens at least min_p times as likely as the most likely one.
-  if (p.min_p > 0.f) {
-    const double floor = double(p.min_p) * c.probs[0];
-    size_t keep = 1;
-    while (keep < c.probs.size() && c.probs[keep] >= floor) ++keep;
-    c.ids.resize(keep);
-    c.probs.resize(keep);
-  }
+  for (size_t i = 0; i < c.ids.size(); ++i) sum += c.probs[i] = weight(c.ids[i], top);
   sum = std::accumulate(c.probs.begin(), c.probs.end(), 0.0);
   for (double& q : c.probs) q /= sum;
   return c;
@@ -163,7 +177,14 @@ std::vector<double> Sampler::probabilities(const float* logits, int vocab,
 }
 
 int32_t Sampler::sample(const float* logits, int vocab, const std::vector<int32_t>& context) {
-  if (params_.greedy()) return argmax(penalized_logits(params_, logits, vocab, context));
+  if (params_.greedy()) {
+    const SamplingParams& p = params_;
+    if (p.repetition_penalty != 1.f || p.presence_penalty != 0.f || p.frequency_penalty != 0.f)
+      return argmax(penalized_logits(p, logits, vocab, context));
+    // No penalties: the checks and the argmax in one pass over the row (no copy of it).
+    check_logits(logits, vocab);
+    return int32_t(std::max_element(logits, logits + vocab) - logits);  // the first of the largest
+  }
   Candidates c = filter(logits, vocab, context);
   // Inverse CDF; the last kept token absorbs any rounding left over at the top.
   const double u = rng_.uniform();
