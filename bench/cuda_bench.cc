@@ -7,6 +7,7 @@
 //
 //   dsv3_cuda_bench [--dtypes bf16,fp8] [--steps 64] [--json FILE] [--quick] [--profile] [--prefill-only]
 //                   [--ctx N]   (decode after N prefilled positions per row; default 16)
+//                   [--generate] (also Generator::run, greedy, argmax on the device vs the host sampler)
 //                   [--decode-only] [--variants default,nopf,...]   (only the named runs; ko-attn+gate:
 //                   the default without those kernel groups, CudaOptions::knockout)
 // --profile adds a run that times every op and kernel group with events (no graphs).
@@ -24,6 +25,7 @@
 #include "tools/anchors_h200.h"
 #include "backend/cuda/cuda_backend.h"
 #include "model/model.h"
+#include "runtime/generate.h"
 
 using namespace dsv3;
 
@@ -98,7 +100,7 @@ struct Variant {
 int main(int argc, char** argv) {
   std::vector<std::string> dtypes = {"bf16", "fp8"};
   int steps = 64;
-  bool quick = false, profile = false, prefill_only = false, decode_only = false;
+  bool quick = false, profile = false, prefill_only = false, decode_only = false, generate = false;
   std::vector<std::string> only;
   std::vector<int> batches = {1, 8};
   int ctx = 16;
@@ -131,6 +133,8 @@ int main(int argc, char** argv) {
       list(bs);
       batches.clear();
       for (const std::string& b : bs) batches.push_back(std::clamp(std::atoi(b.c_str()), 1, 8));
+    } else if (s == "--generate") {
+      generate = true;
     } else if (s == "--decode-only") {
       decode_only = true;
     } else if (s == "--steps") {
@@ -147,7 +151,7 @@ int main(int argc, char** argv) {
       profile = true;
     } else {
       std::fprintf(stderr, "usage: dsv3_cuda_bench [--dtypes bf16,fp8] [--steps N] [--json FILE] [--quick] [--profile] "
-                           "[--prefill-only] [--ctx N] [--decode-only] [--variants a,b] [--batches 1,8]\n");
+                           "[--prefill-only] [--ctx N] [--decode-only] [--variants a,b] [--batches 1,8] [--generate]\n");
       return 2;
     }
   }
@@ -284,6 +288,30 @@ int main(int argc, char** argv) {
             l.hf = B == 1 ? anchors::kHfBf16DecodeB1 : anchors::kHfBf16DecodeB8;
             report(l);
             if (v.profile) std::printf("%s", cuda::profile_report(*bp, true).c_str());
+          }
+        }
+        if (generate && v.decode && !prefill_only) {
+          // Generator::run end to end, greedy: the argmax on the device (only ids come back) or
+          // the logits downloaded and sampled on the host. Decode tokens/s from its own stats.
+          for (int B : batches) {
+            for (int dev = 1; dev >= 0; --dev) {
+              std::vector<GenerateRequest> reqs(static_cast<size_t>(B));
+              for (auto& r : reqs) {
+                r.prompt.resize(size_t(ctx));
+                for (auto& t : r.prompt) t = tokd(rng);
+                r.max_new_tokens = steps;
+              }
+              Generator gen(model, -1);
+              gen.set_device_greedy(dev == 1);
+              gen.run(reqs);  // warm (graphs recorded)
+              Generator g2(model, -1);
+              g2.set_device_greedy(dev == 1);
+              g2.run(reqs);
+              const GenerateStats& gs = g2.stats();
+              std::printf("%-5s generate b%d  %-14s %9.1f tok/s decode (%lld tokens in %.3f s, greedy)\n", dt.c_str(), B,
+                          dev ? "device-argmax" : "host-sampler", double(gs.generated_tokens) / gs.decode_s,
+                          (long long)gs.generated_tokens, gs.decode_s);
+            }
           }
         }
         if (v.prefill) {

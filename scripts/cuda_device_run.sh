@@ -41,7 +41,7 @@ CXXFLAGS="-std=c++20 -O2 -g -DDSV3_HAVE_CUDA -I$ROOT/src -I$DEPS/include -I$DEPS
 NVFLAGS="-std=c++17 -O3 -lineinfo -DDSV3_HAVE_CUDA -I$ROOT/src -gencode=arch=compute_90a,code=sm_90a -Xptxas -v"
 SRCS="src/core/*.cc src/io/mmap_file.cc src/io/safetensors.cc src/io/safetensors_writer.cc src/io/checkpoint.cc src/model/config.cc
       src/model/gate.cc src/model/model.cc src/model/rope.cc src/model/weights.cc src/backend/ref/*.cc
-      src/backend/cuda/*.cc"
+      src/backend/cuda/*.cc src/runtime/generate.cc src/runtime/sampler.cc"
 log "build"
 t0=$(date +%s)
 JOBS=${JOBS:-$(nproc)}

@@ -30,6 +30,8 @@
 #include "model/gate.h"
 #include "model/model.h"
 #include "model/rope.h"
+#include "runtime/generate.h"
+#include "runtime/sampler.h"
 
 using namespace dsv3;
 using namespace dsv3::testing_util;
@@ -856,6 +858,77 @@ TEST(CudaOps, DecodeQAbsorptionMatchesFloat64) {
         }
       }
     }
+  }
+}
+
+// Greedy sampling on the device (Backend::argmax_rows) against the host sampler's greedy draw:
+// random rows with planted ties and -inf, a vocabulary limit; and its errors (NaN, +inf, all -inf).
+TEST(CudaOps, ArgmaxRowsMatchesTheHostSampler) {
+  REQUIRE_GPU();
+  auto cuda = make_cuda_backend(opts());
+  const int64_t rows = 5, cols = 102400;
+  std::vector<float> x = randn(size_t(rows * cols), 81, 3.f);
+  x[size_t(1 * cols + 7)] = x[size_t(1 * cols + 90000)] = 40.f;  // a tie: 7 wins
+  for (int64_t c = 0; c < cols; ++c)
+    if (c % 3) x[size_t(2 * cols + c)] = -INFINITY;
+  x[size_t(3 * cols + cols - 1)] = 50.f;  // beyond the limit below for one call
+  for (int64_t limit : {cols, cols - 10, int64_t(1000)}) {
+    Dev xd(*cuda, x);
+    std::vector<int32_t> ids(static_cast<size_t>(rows), -1);
+    ASSERT_TRUE(cuda->argmax_rows(xd.p, rows, cols, limit, ids.data()));
+    SamplingParams g;
+    for (int64_t r = 0; r < rows; ++r) {
+      Sampler s(g);
+      EXPECT_EQ(ids[size_t(r)], s.sample(&x[size_t(r * cols)], int(limit), {})) << "row " << r << " limit " << limit;
+    }
+  }
+  EXPECT_EQ([&] {
+    Dev xd(*cuda, x);
+    std::vector<int32_t> ids(static_cast<size_t>(rows));
+    cuda->argmax_rows(xd.p, rows, cols, cols, ids.data());
+    return ids[1];
+  }(), 7);
+  for (float bad : {std::nanf(""), INFINITY}) {
+    std::vector<float> y = x;
+    y[size_t(4 * cols + 123)] = bad;
+    Dev yd(*cuda, y);
+    std::vector<int32_t> ids(static_cast<size_t>(rows));
+    try {
+      cuda->argmax_rows(yd.p, rows, cols, cols, ids.data());
+      ADD_FAILURE() << "no error for a logit of " << bad;
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find("logit of token 123"), std::string::npos) << e.what();
+    }
+  }
+  std::vector<float> ninf(size_t(cols), -INFINITY);
+  Dev nd(*cuda, ninf);
+  int32_t id = 0;
+  EXPECT_THROW(cuda->argmax_rows(nd.p, 1, cols, cols, &id), Error);
+}
+
+// The generator's greedy decode with the argmax on the device matches the host sampler's path on
+// the same backend (same logits): token for token, batched, with a vocabulary limit.
+TEST(CudaOps, DeviceGreedyDecodeMatchesHostGreedy) {
+  REQUIRE_GPU();
+  for (std::string c : {"v2lite_bf16", "v3_fp8"}) {
+    ModelOptions mo;
+    mo.max_slots = 3;
+    Model m(Checkpoint::open(case_dir(c) + "/hf"), make_cuda_backend(opts()), mo);
+    std::vector<GenerateRequest> reqs(3);
+    for (size_t i = 0; i < reqs.size(); ++i) {
+      reqs[i].prompt = {int32_t(5 + i), 6, int32_t(7 + 2 * i)};
+      reqs[i].max_new_tokens = 12 + int(i);
+    }
+    std::vector<std::vector<int32_t>> out[2];
+    for (int dev = 0; dev < 2; ++dev) {
+      Generator gen(m, -1);
+      gen.set_vocab_limit(300);
+      gen.set_device_greedy(dev == 1);
+      for (auto& r : gen.run(reqs)) out[dev].push_back(r.tokens);
+    }
+    EXPECT_EQ(out[0], out[1]) << c;
+    for (auto& t : out[1])
+      for (int32_t id : t) EXPECT_LT(id, 300) << c;
   }
 }
 

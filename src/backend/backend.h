@@ -89,6 +89,12 @@ class Backend {
   // Dense MLP: y[n, dim] = w2(silu(w1 x) * w3 x).
   virtual void mlp(const MLPWeights& w, const float* x, int64_t n, float* y) = 0;
 
+  // Greedy sampling where the logits live: for each of `rows` rows of x [rows, cols] (backend
+  // memory), ids[r] (host) = the lowest index of the largest value among columns [0, limit),
+  // with the host sampler's checks (a NaN or +inf logit, or a row with none above -inf: Error
+  // naming it). false: not offered here, nothing done (the caller downloads the logits).
+  virtual bool argmax_rows(const float* x, int64_t rows, int64_t cols, int64_t limit, int32_t* ids) { return false; }
+
   // Optional instrumentation for benchmarks: how many (layer, routed expert) pairs moe() has run
   // since the last reset_counters() (an expert used by several tokens of one call counts once);
   // -1 when the backend does not count.

@@ -113,6 +113,11 @@ void Model::forward(const int32_t* tokens, int B, int T, int start_pos, float* l
 
 void Model::forward(const int32_t* tokens, const TokenPos* pos, int64_t n, const std::vector<int64_t>& logit_rows,
                     float* logits) {
+  forward_greedy(tokens, pos, n, logit_rows, 0, nullptr, logits);
+}
+
+bool Model::forward_greedy(const int32_t* tokens, const TokenPos* pos, int64_t n,
+                           const std::vector<int64_t>& logit_rows, int64_t limit, int32_t* ids, float* logits) {
   const ModelArgs& a = args_;
   for (int64_t i = 0; i < n; ++i) {
     if (tokens[i] < 0 || tokens[i] >= a.vocab_size)
@@ -136,7 +141,12 @@ void Model::forward(const int32_t* tokens, const TokenPos* pos, int64_t n, const
   const bool hooks = !tap_;
   if (!hooks || !be_->begin_step(tokens, pos, n, logit_rows.data(), m)) run_ops(tokens, pos, n, logit_rows);
   if (hooks) be_->end_step();
-  if (m > 0) be_->download(logits, logits_, size_t(m * a.vocab_size));
+  if (m == 0) return false;
+  if (ids && be_->argmax_rows(logits_, m, a.vocab_size, limit > 0 ? std::min<int64_t>(limit, a.vocab_size) : a.vocab_size,
+                              ids))
+    return true;
+  be_->download(logits, logits_, size_t(m * a.vocab_size));
+  return false;
 }
 
 // The layer loop of one step: embed, every layer, then norm and head for the requested rows.

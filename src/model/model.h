@@ -65,6 +65,11 @@ class Model {
   // tokens listed in `logit_rows` (indices into the n tokens) go to logits [rows, vocab_size].
   void forward(const int32_t* tokens, const TokenPos* pos, int64_t n, const std::vector<int64_t>& logit_rows,
                float* logits);
+  // The same step for greedy decoding: where the backend offers argmax_rows, ids [rows] get each
+  // logit row's argmax over [0, limit) (ties: the lowest id) and true is returned, the logits
+  // never leaving the backend; else the logits go to `logits` as above and false is returned.
+  bool forward_greedy(const int32_t* tokens, const TokenPos* pos, int64_t n, const std::vector<int64_t>& logit_rows,
+                      int64_t limit, int32_t* ids, float* logits);
 
  private:
   void init();

@@ -72,6 +72,13 @@ std::vector<GenerateResult> Generator::run(const std::vector<GenerateRequest>& r
     else live.push_back(i);
   }
   bool first = true;
+  // Greedy requests without penalties need only each row's argmax: a backend that offers it
+  // (argmax_rows) computes it where the logits are, and only the ids come back.
+  auto plain_greedy = [](const SamplingParams& p) {
+    return p.greedy() && p.repetition_penalty == 1.f && p.presence_penalty == 0.f && p.frequency_penalty == 0.f;
+  };
+  std::vector<int32_t> ids;
+  bool have_ids = false;
   while (!live.empty()) {
     std::vector<size_t> next;
     std::vector<int32_t> toks;
@@ -80,8 +87,8 @@ std::vector<GenerateResult> Generator::run(const std::vector<GenerateRequest>& r
       size_t i = live[r];
       // The first step's logits are laid out by request, later steps' by position in `live`.
       float* row = logits.data() + (first ? i : r) * size_t(V);
-      if (vocab_limit_ > 0 && vocab_limit_ < V) std::fill(row + vocab_limit_, row + V, -INFINITY);
-      int32_t tok = samplers[i].sample(row, V, ctx[i]);
+      if (!have_ids && vocab_limit_ > 0 && vocab_limit_ < V) std::fill(row + vocab_limit_, row + V, -INFINITY);
+      int32_t tok = have_ids ? ids[r] : samplers[i].sample(row, V, ctx[i]);
       if (on_token) on_token(i, tok);
       if (tok == eos_) {
         out[i].finish_reason = "stop";
@@ -108,7 +115,16 @@ std::vector<GenerateResult> Generator::run(const std::vector<GenerateRequest>& r
     if (live.empty()) break;
     std::vector<int64_t> rows(live.size());
     for (size_t r = 0; r < live.size(); ++r) rows[r] = int64_t(r);
-    model_.forward(toks.data(), pos.data(), int64_t(toks.size()), rows, logits.data());
+    bool greedy = device_greedy_;
+    for (size_t i : live) greedy = greedy && plain_greedy(samplers[i].params());
+    ids.resize(live.size());
+    if (greedy) {
+      have_ids = model_.forward_greedy(toks.data(), pos.data(), int64_t(toks.size()), rows, vocab_limit_, ids.data(),
+                                       logits.data());
+    } else {
+      model_.forward(toks.data(), pos.data(), int64_t(toks.size()), rows, logits.data());
+      have_ids = false;
+    }
     for (size_t r = 0; r < live.size(); ++r) cached_[live[r]].push_back(toks[r]);
   }
   stats_.decode_s += seconds_since(t1);

@@ -51,6 +51,10 @@ class Generator {
   // Samples only ids < n: checkpoints pad the vocabulary past the tokenizer's last id (DeepSeek-V3:
   // 129280 rows, 128815 tokens); ids that no tokenizer can decode are never drawn.
   void set_vocab_limit(int n) { vocab_limit_ = n; }
+  // Whether decode steps whose requests are all greedy (no penalties) take the argmax on the
+  // backend (Backend::argmax_rows) instead of downloading the logits. On by default; off gives
+  // the host sampler's path (tests compare the two).
+  void set_device_greedy(bool on) { device_greedy_ = on; }
 
  private:
   Model& model_;
@@ -58,6 +62,7 @@ class Generator {
   int chunk_;
   bool reuse_ = false;
   int vocab_limit_ = 0;  // 0 = the model's vocabulary
+  bool device_greedy_ = true;
   std::vector<std::vector<int32_t>> cached_;  // per slot: the tokens whose K/V the cache holds
   GenerateStats stats_;
 };

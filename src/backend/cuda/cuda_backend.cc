@@ -661,6 +661,28 @@ class CudaBackend final : public Backend {
     cuda::mla_naive_values(L_, d, pos, n, S, cache.v, out);
   }
 
+  bool argmax_rows(const float* x, int64_t rows, int64_t cols, int64_t limit, int32_t* ids) override {
+    no_capture("argmax_rows");
+    flush_add();
+    flush_marks();
+    int32_t* d = static_cast<int32_t*>(scratch(kTopk, size_t(rows) * 12));
+    cuda::argmax_rows(L_, x, rows, cols, limit, d);
+    std::vector<int32_t> h(static_cast<size_t>(rows) * 3);
+    CK(cudaMemcpyAsync(h.data(), d, h.size() * 4, cudaMemcpyDeviceToHost, stream_));
+    CK(cudaStreamSynchronize(stream_));
+    for (int64_t r = 0; r < rows; ++r) {  // the host sampler's checks, its messages
+      const int32_t* o = &h[size_t(r) * 3];
+      if (o[1] >= 0) {
+        float v = 0.f;
+        CK(cudaMemcpy(&v, x + r * cols + o[1], 4, cudaMemcpyDeviceToHost));
+        fail("sampling: logit of token ", o[1], " is ", v, " (must be finite or -inf)");
+      }
+      if (o[2]) fail("sampling: every one of the ", limit, " logits is -inf");
+      ids[r] = o[0];
+    }
+    return true;
+  }
+
   // Test hook: act_quant.
   void act_quant(const float* x, int64_t rows, int64_t cols, bool ue8m0, uint8_t* y, float* s) {
     flush_add();

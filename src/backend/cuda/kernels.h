@@ -60,6 +60,9 @@ void rmsnorm(const Launch& L, const float* x, int64_t n, int64_t d, int64_t stri
 void add(const Launch& L, float* y, const float* x, int64_t n);
 // h[i, :d] += r[i, :d]; y[i, :d] = rmsnorm(h[i]) * w (rows contiguous).
 void add_rmsnorm(const Launch& L, float* h, const float* r, int64_t n, int64_t d, const float* w, float eps, float* y);
+// Per row of x [rows, cols]: out[r] = {the lowest index of the largest value in [0, limit), the
+// first NaN / +inf index or -1, 1 if every value is -inf}.
+void argmax_rows(const Launch& L, const float* x, int64_t rows, int64_t cols, int64_t limit, int32_t* out);
 // kernel.py's act_quant(x, 128, scale_fmt) on x [rows, cols] (cols % 128 == 0): y e4m3 bytes
 // [rows, cols], s [rows, cols / 128]; bit-identical to the reference (tests: golden kernels).
 void act_quant(const Launch& L, const float* x, int64_t rows, int64_t cols, bool ue8m0, uint8_t* y, float* s);

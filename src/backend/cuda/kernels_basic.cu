@@ -1,4 +1,6 @@
 // Elementwise kernels: embedding gather, RMSNorm, residual add, bf16 hi/lo split, random fill.
+#include <climits>
+
 #include "backend/cuda/common.cuh"
 #include "core/error.h"
 
@@ -114,6 +116,50 @@ void rmsnorm(const Launch& L, const float* x, int64_t n, int64_t d, int64_t stri
 void add_rmsnorm(const Launch& L, float* h, const float* r, int64_t n, int64_t d, const float* w, float eps, float* y) {
   const int threads = d >= 1024 ? 512 : (d >= 256 ? 256 : 128);
   launch(L, add_rmsnorm_kernel, dim3(unsigned(n)), dim3(threads), 0, h, r, d, w, eps, y);
+}
+
+namespace {
+// Block per row: the lowest index of the largest value in [0, limit) (ties to the lower index,
+// as the host sampler's greedy argmax), the first NaN / +inf index (or -1), and whether every
+// value was -inf. out: [rows][3].
+__global__ void __launch_bounds__(1024) argmax_kernel(const float* __restrict__ x, int64_t cols, int64_t limit,
+                                                      int32_t* __restrict__ out) {
+  __shared__ float sv[32];
+  __shared__ int si[32], sb[32];
+  pdl_wait();
+  const float* r = x + int64_t(blockIdx.x) * cols;
+  float bv = -INFINITY;
+  int bi = -1, bad = INT_MAX;
+  for (int64_t k = threadIdx.x; k < limit; k += blockDim.x) {
+    const float v = r[k];
+    if (isnan(v) || v == INFINITY) bad = min(bad, int(k));
+    else if (bi < 0 || v > bv) bv = v, bi = int(k);  // k rises: the first of equal values stays
+  }
+  auto better = [](float v, int i, float v2, int i2) { return i2 >= 0 && (i < 0 || v2 > v || (v2 == v && i2 < i)); };
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) {
+    const float v2 = __shfl_xor_sync(0xffffffffu, bv, o);
+    const int i2 = __shfl_xor_sync(0xffffffffu, bi, o), b2 = __shfl_xor_sync(0xffffffffu, bad, o);
+    if (better(bv, bi, v2, i2)) bv = v2, bi = i2;
+    bad = min(bad, b2);
+  }
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+  if (lane == 0) sv[warp] = bv, si[warp] = bi, sb[warp] = bad;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    for (int w = 1; w < nw; ++w) {
+      if (better(bv, bi, sv[w], si[w])) bv = sv[w], bi = si[w];
+      bad = min(bad, sb[w]);
+    }
+    int32_t* o = out + 3 * int64_t(blockIdx.x);
+    o[0] = bi, o[1] = bad == INT_MAX ? -1 : bad, o[2] = bi < 0 || bv == -INFINITY;
+  }
+}
+}  // namespace
+
+void argmax_rows(const Launch& L, const float* x, int64_t rows, int64_t cols, int64_t limit, int32_t* out) {
+  DSV3_CHECK(limit > 0 && limit <= cols && limit <= INT32_MAX, "argmax_rows: limit ", limit, " of ", cols);
+  launch(L, argmax_kernel, dim3(unsigned(rows)), dim3(1024), 0, x, cols, limit, out);
 }
 
 void add(const Launch& L, float* y, const float* x, int64_t n) {
