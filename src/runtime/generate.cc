@@ -74,9 +74,6 @@ std::vector<GenerateResult> Generator::run(const std::vector<GenerateRequest>& r
   bool first = true;
   // Greedy requests without penalties need only each row's argmax: a backend that offers it
   // (argmax_rows) computes it where the logits are, and only the ids come back.
-  auto plain_greedy = [](const SamplingParams& p) {
-    return p.greedy() && p.repetition_penalty == 1.f && p.presence_penalty == 0.f && p.frequency_penalty == 0.f;
-  };
   std::vector<int32_t> ids;
   bool have_ids = false;
   while (!live.empty()) {
@@ -116,7 +113,7 @@ std::vector<GenerateResult> Generator::run(const std::vector<GenerateRequest>& r
     std::vector<int64_t> rows(live.size());
     for (size_t r = 0; r < live.size(); ++r) rows[r] = int64_t(r);
     bool greedy = device_greedy_;
-    for (size_t i : live) greedy = greedy && plain_greedy(samplers[i].params());
+    for (size_t i : live) greedy = greedy && samplers[i].params().greedy() && !samplers[i].params().penalized();
     ids.resize(live.size());
     if (greedy) {
       have_ids = model_.forward_greedy(toks.data(), pos.data(), int64_t(toks.size()), rows, vocab_limit_, ids.data(),

@@ -76,9 +76,8 @@ std::vector<float> Sampler::penalized_logits(const SamplingParams& p, const floa
                                              const std::vector<int32_t>& context) {
   check_logits(logits, vocab);
   std::vector<float> out(logits, logits + vocab);
-  const bool rep = p.repetition_penalty != 1.f, pres = p.presence_penalty != 0.f,
-             freq = p.frequency_penalty != 0.f;
-  if (!rep && !pres && !freq) return out;
+  if (!p.penalized()) return out;
+  const bool rep = p.repetition_penalty != 1.f;
   // Occurrences of each token in the context, kept sparse: the context is short next to the vocab.
   std::vector<int32_t> ids(context);
   for (int32_t id : ids)
@@ -157,9 +156,8 @@ Sampler::Candidates Sampler::filter(const float* logits, int vocab, const std::v
   // Softmax of logit / temperature over the survivors, in double; the first is the largest.
   const double top = double(z[size_t(c.ids[0])]);
   c.probs.resize(c.ids.size());
-  double sum = 0;
-  for (size_t i = 0; i < c.ids.size(); ++i) sum += c.probs[i] = weight(c.ids[i], top);
-  sum = std::accumulate(c.probs.begin(), c.probs.end(), 0.0);
+  for (size_t i = 0; i < c.ids.size(); ++i) c.probs[i] = weight(c.ids[i], top);
+  const double sum = std::accumulate(c.probs.begin(), c.probs.end(), 0.0);
   for (double& q : c.probs) q /= sum;
   return c;
 }
@@ -178,9 +176,7 @@ std::vector<double> Sampler::probabilities(const float* logits, int vocab,
 
 int32_t Sampler::sample(const float* logits, int vocab, const std::vector<int32_t>& context) {
   if (params_.greedy()) {
-    const SamplingParams& p = params_;
-    if (p.repetition_penalty != 1.f || p.presence_penalty != 0.f || p.frequency_penalty != 0.f)
-      return argmax(penalized_logits(p, logits, vocab, context));
+    if (params_.penalized()) return argmax(penalized_logits(params_, logits, vocab, context));
     // No penalties: the checks and the argmax in one pass over the row (no copy of it).
     check_logits(logits, vocab);
     return int32_t(std::max_element(logits, logits + vocab) - logits);  // the first of the largest

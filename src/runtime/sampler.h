@@ -21,6 +21,7 @@ struct SamplingParams {
   // top_p outside (0, 1], min_p outside [0, 1], repetition_penalty <= 0, anything not finite).
   void validate() const;
   bool greedy() const { return temperature == 0.f; }
+  bool penalized() const { return repetition_penalty != 1.f || presence_penalty != 0.f || frequency_penalty != 0.f; }
 };
 
 // xoshiro256** (Blackman and Vigna), seeded through splitmix64 so that nearby seeds give
