@@ -147,6 +147,12 @@ TensorView to_device(Backend& be, const TensorView& t) {
   return w.norm;
 }
 
+// n (slot, pos) pairs as the float words a Dev buffer uploads (the kernels read them as DevPos).
+std::vector<float> pos_words(const cuda::DevPos* p, size_t n) {
+  const float* w = reinterpret_cast<const float*>(p);
+  return std::vector<float>(w, w + 2 * n);
+}
+
 double max_abs_diff(const std::vector<float>& a, const std::vector<float>& b) {
   double m = 0;
   for (size_t i = 0; i < a.size(); ++i) m = std::max(m, std::fabs(double(a[i]) - double(b[i])));
@@ -762,8 +768,7 @@ TEST(CudaOps, DecodeAttentionMatchesFloat64) {
     }
   EXPECT_GT(cuda::mla_decode_splits(d, n), 3) << "the case is meant to split the positions";
   Dev dqa(*cuda, qa), dq(*cuda, q), dkv(*cuda, ckv), dpe(*cuda, cpe), cnt(*cuda, 4096);
-  Dev dpos(*cuda, std::vector<float>(reinterpret_cast<const float*>(tp.data()),
-                                     reinterpret_cast<const float*>(tp.data()) + 2 * tp.size()));
+  Dev dpos(*cuda, pos_words(tp.data(), tp.size()));
   for (int ns : {cuda::mla_decode_splits(d, n), 3, 1}) {
     Dev part(*cuda, size_t(ns * n * H * C)), ml(*cuda, size_t(ns * n * H * 2));
     for (int rep = 0; rep < 4; ++rep) {  // both forms, twice each (the counters reset)
@@ -785,8 +790,7 @@ TEST(CudaOps, DecodeAttentionMatchesFloat64) {
   for (int64_t i = 0; i < n; ++i) {
     const int ns = cuda::mla_decode_splits(d, 1);
     Dev part(*cuda, size_t(ns * H * C)), ml(*cuda, size_t(ns * H * 2));
-    Dev pos1(*cuda, std::vector<float>(reinterpret_cast<const float*>(&tp[size_t(i)]),
-                                       reinterpret_cast<const float*>(&tp[size_t(i)]) + 2));
+    Dev pos1(*cuda, pos_words(&tp[size_t(i)], 1));
     for (bool warps : {true, false}) {
       Dev out(*cuda, std::vector<float>(size_t(H * C), std::nanf("")));
       cuda::Launch L;
@@ -836,8 +840,7 @@ TEST(CudaOps, DecodeQAbsorptionMatchesFloat64) {
         Dev dq(*cuda, q), dkv(*cuda, kv), dnw(*cuda, nw), drope(*cuda, rope);
         Dev ckv(*cuda, std::vector<float>(size_t(n * d.max_len * C), 0.f)), cpe(*cuda, size_t(n * d.max_len * R));
         Dev qa(*cuda, std::vector<float>(want.size(), std::nanf("")));
-        Dev dpos(*cuda, std::vector<float>(reinterpret_cast<const float*>(tp.data()),
-                                           reinterpret_cast<const float*>(tp.data()) + 2 * tp.size()));
+        Dev dpos(*cuda, pos_words(tp.data(), tp.size()));
         cuda::Launch L;
         cuda::mla_prep_qabs(L, d, reinterpret_cast<const cuda::DevPos*>(dpos.p), n, dq.p, dkv.p, dnw.p, drope.p, ckv.p,
                             cpe.p, w, qa.p, vec);

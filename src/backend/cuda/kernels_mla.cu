@@ -85,6 +85,29 @@ __device__ __forceinline__ float wload(const DevLinear& w, int64_t r, int64_t c)
   else return static_cast<const float*>(w.w)[off];
 }
 
+// The q absorption blocks' two shared steps for one pass of tokens [t0, t0 + tb), TB a pass:
+// head h's q_nope rows into qs [TB][nope] (zeros past tb) between barriers; and
+// qa[t0 + j, h, cb + cc] = the sum of the 8 warps' partials red [8][TB][64].
+__device__ __forceinline__ void stage_q_nope(const MlaDims& d, const float* __restrict__ q, int64_t t0, int tb, int TB,
+                                             int h, float* qs) {
+  __syncthreads();
+  for (int e = threadIdx.x; e < TB * d.nope; e += blockDim.x) {
+    const int j = e / d.nope, k = e % d.nope;
+    qs[e] = j < tb ? q[((t0 + j) * d.H + h) * d.qk() + k] : 0.f;
+  }
+  __syncthreads();
+}
+__device__ __forceinline__ void sum_warps_to_qa(const MlaDims& d, const float* red, int64_t t0, int tb, int TB, int h,
+                                                int64_t cb, float* __restrict__ qa) {
+  for (int e = threadIdx.x; e < tb * 64; e += blockDim.x) {
+    const int j = e / 64, cc = e % 64;
+    if (cb + cc >= d.C) continue;
+    float sum = 0.f;
+    for (int ww = 0; ww < 8; ++ww) sum += red[(ww * TB + j) * 64 + cc];
+    qa[((t0 + j) * d.H + h) * d.C + cb + cc] = sum;
+  }
+}
+
 // Block: 64 latent columns of one head; warp w takes d = w, w + 8, ... (loads first, then FMAs),
 // lane the columns 2*lane, 2*lane + 1; the 8 warps' partial sums meet in shared memory.
 template <int WT>
@@ -93,7 +116,7 @@ __device__ void qabs_block(const MlaDims& d, const DevLinear& w, const float* __
   // smem: qs [kTB][nope], then red [8][kTB][64]
   float* qs = smem;
   float* red = smem + kTB * d.nope;
-  const int qk = d.qk(), warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int64_t c0 = int64_t(cblk) * 64, ca = c0 + 2 * lane, cb = ca + 1;
   const int64_t wrow = int64_t(h) * (d.nope + d.V);
   constexpr int kPer = 16;  // d values per warp: d = warp + 8 u (nope <= 128)
@@ -109,12 +132,7 @@ __device__ void qabs_block(const MlaDims& d, const DevLinear& w, const float* __
   pdl_trigger();
   for (int64_t t0 = 0; t0 < n; t0 += kTB) {
     const int tb = int(n - t0 < kTB ? n - t0 : kTB);
-    __syncthreads();
-    for (int e = threadIdx.x; e < kTB * d.nope; e += blockDim.x) {
-      const int j = e / d.nope, k = e % d.nope;
-      qs[e] = j < tb ? q[((t0 + j) * d.H + h) * qk + k] : 0.f;
-    }
-    __syncthreads();
+    stage_q_nope(d, q, t0, tb, kTB, h, qs);
     float acc[2][kTB];
 #pragma unroll
     for (int j = 0; j < kTB; ++j) acc[0][j] = acc[1][j] = 0.f;
@@ -135,17 +153,11 @@ __device__ void qabs_block(const MlaDims& d, const DevLinear& w, const float* __
       red[(warp * kTB + j) * 64 + 2 * lane + 1] = acc[1][j];
     }
     __syncthreads();
-    for (int e = threadIdx.x; e < tb * 64; e += blockDim.x) {
-      const int j = e / 64, cc = e % 64;
-      if (c0 + cc >= d.C) continue;
-      float s = 0.f;
-      for (int ww = 0; ww < 8; ++ww) s += red[(ww * kTB + j) * 64 + cc];
-      qa[((t0 + j) * d.H + h) * d.C + c0 + cc] = s;
-    }
+    sum_warps_to_qa(d, red, t0, tb, kTB, h, c0, qa);
   }
 }
 
-// The same product with 16-byte weight loads (decode steps; qabs_vec_ok): block (head h, 64
+// The same product with 16-byte weight loads (decode steps; see mla_prep_qabs): block (head h, 64
 // latent columns). A thread takes CE consecutive columns (one chunk) of NU rows d = rg + RPP u;
 // its partial sums over those rows meet the other row groups' by shuffles within the warp, then
 // across the 8 warps in shared memory. TB tokens per pass (the weights stay in registers).
@@ -160,7 +172,7 @@ __device__ void qabs_vec_block(const MlaDims& d, const DevLinear& w, const float
   constexpr int CE = V::CE, TPR = V::TPR, RPP = V::RPP, NU = V::NU;
   float* qs = smem;                 // [TB][nope]
   float* red = smem + TB * d.nope;  // [8][TB][64]
-  const int qk = d.qk(), warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int cg = threadIdx.x % TPR, rg = threadIdx.x / TPR;
   const int64_t cb = int64_t(cblk) * 64, wrow = int64_t(h) * (d.nope + d.V);
   // The weights do not depend on earlier kernels: load them before waiting, keep them for all tokens.
@@ -179,12 +191,7 @@ __device__ void qabs_vec_block(const MlaDims& d, const DevLinear& w, const float
   pdl_wait();
   for (int64_t t0 = 0; t0 < n; t0 += TB) {
     const int tb = int(n - t0 < TB ? n - t0 : TB);
-    __syncthreads();
-    for (int e = threadIdx.x; e < TB * d.nope; e += blockDim.x) {
-      const int j = e / d.nope, k = e % d.nope;
-      qs[e] = j < tb ? q[((t0 + j) * d.H + h) * qk + k] : 0.f;
-    }
-    __syncthreads();
+    stage_q_nope(d, q, t0, tb, TB, h, qs);
     float acc[TB][CE];
 #pragma unroll
     for (int j = 0; j < TB; ++j)
@@ -218,12 +225,7 @@ __device__ void qabs_vec_block(const MlaDims& d, const DevLinear& w, const float
 #pragma unroll
         for (int c = 0; c < CE; ++c) red[(warp * TB + j) * 64 + cg * CE + c] = acc[j][c];
     __syncthreads();
-    for (int e = threadIdx.x; e < tb * 64; e += blockDim.x) {
-      const int j = e / 64, cc = e % 64;
-      float sum = 0.f;
-      for (int ww = 0; ww < 8; ++ww) sum += red[(ww * TB + j) * 64 + cc];
-      qa[((t0 + j) * d.H + h) * d.C + cb + cc] = sum;
-    }
+    sum_warps_to_qa(d, red, t0, tb, TB, h, cb, qa);
   }
 }
 
@@ -425,6 +427,19 @@ __device__ __forceinline__ int64_t dec_chunk(int64_t len, int64_t nsplit) {
   return (c + kDecMinChunk - 1) / kDecMinChunk * kDecMinChunk;
 }
 
+// Token i's absorbed query and rope query of heads [h0, h0 + hb) into qs [HB][C + R] (zeros for
+// heads past hb); the caller's barrier follows.
+template <int HB>
+__device__ __forceinline__ void stage_query(const MlaDims& d, const float* __restrict__ qa, const float* __restrict__ q,
+                                            int64_t i, int h0, int hb, float* qs) {
+  const int CR = d.C + d.R;
+  for (int e = threadIdx.x; e < HB * CR; e += blockDim.x) {
+    const int h = e / CR, j = e % CR;
+    const int64_t ih = i * d.H + h0 + h;
+    qs[e] = h >= hb ? 0.f : (j < d.C ? qa[ih * d.C + j] : q[ih * d.qk() + d.nope + (j - d.C)]);
+  }
+}
+
 // The lane's share of two cache rows' dot products with one head's query (columns lane + 32 m).
 __device__ __forceinline__ void row_dots(const float* kr, const float* kq, const float* qh, int CR, int lane, float& a,
                                          float& b) {
@@ -489,7 +504,7 @@ __global__ void __launch_bounds__(256) decode_attn_kernel(MlaDims d, const DevPo
   __shared__ float m_run[HB], l_run[HB], alpha[HB];
   pdl_wait();
   pdl_trigger();
-  const int nhb = (d.H + HB - 1) / HB, CR = d.C + d.R, qk = d.qk();
+  const int nhb = (d.H + HB - 1) / HB, CR = d.C + d.R;
   const int64_t i = blockIdx.x / nhb;
   const int h0 = int(blockIdx.x % nhb) * HB, hb = min(HB, d.H - h0);
   const DevPos p = pos[i];
@@ -499,11 +514,7 @@ __global__ void __launch_bounds__(256) decode_attn_kernel(MlaDims d, const DevPo
   const int ns = int((len + chunk - 1) / chunk);
   float* qs = dsm;
   float* ps = dsm + HB * CR;
-  for (int e = threadIdx.x; e < HB * CR; e += blockDim.x) {
-    const int h = e / CR, j = e % CR;
-    const int64_t ih = i * d.H + h0 + h;
-    qs[e] = h >= hb ? 0.f : (j < d.C ? qa[ih * d.C + j] : q[ih * qk + d.nope + (j - d.C)]);
-  }
+  stage_query<HB>(d, qa, q, i, h0, hb, qs);
   if (threadIdx.x < HB) m_run[threadIdx.x] = -INFINITY, l_run[threadIdx.x] = 0.f;
   __syncthreads();
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -628,7 +639,7 @@ __global__ void __launch_bounds__(256) decode_attn_warps_kernel(MlaDims d, const
                                                                 float* __restrict__ ol) {
   extern __shared__ float dsm[];  // q [HB][C + R], the warps' sums [8][HB][C], split factors [HB][kDecMaxSplits]
   __shared__ float wm[8][HB], wl[8][HB], lsum[HB];
-  const int nhb = (d.H + HB - 1) / HB, CR = d.C + d.R, qk = d.qk();
+  const int nhb = (d.H + HB - 1) / HB, CR = d.C + d.R;
   const int64_t i = blockIdx.x / nhb;
   const int h0 = int(blockIdx.x % nhb) * HB, hb = min(HB, d.H - h0);
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -658,11 +669,7 @@ __global__ void __launch_bounds__(256) decode_attn_warps_kernel(MlaDims d, const
   pdl_wait();
   if (ts >= len) return;  // not one of this token's splits
   const int ns = int((len + chunk - 1) / chunk);
-  for (int e = threadIdx.x; e < HB * CR; e += blockDim.x) {
-    const int h = e / CR, j = e % CR;
-    const int64_t ih = i * d.H + h0 + h;
-    qs[e] = h >= hb ? 0.f : (j < d.C ? qa[ih * d.C + j] : q[ih * qk + d.nope + (j - d.C)]);
-  }
+  stage_query<HB>(d, qa, q, i, h0, hb, qs);
   __syncthreads();
   float mx[HB], l[HB], acc[HB][kMaxJ];
 #pragma unroll
@@ -816,9 +823,7 @@ void mla_prep_qabs(const Launch& L, const MlaDims& d, const DevPos* pos, int64_t
   const dim3 grid(nq + unsigned(n));
   // The 16-byte form: whole 64-column blocks, 16-byte aligned rows (and 128-row FP8 scale blocks
   // that a 64-column block never straddles: col0 % 64 == 0).
-  const int eb = w.t == kBF16 ? 2 : (w.t == kFP8 ? 1 : 4);
-  const bool vec = qabs_vec && d.C % 64 == 0 && (w.ld * eb) % 16 == 0 && (w.col0 * eb) % 16 == 0 &&
-                   reinterpret_cast<uintptr_t>(w.w) % 16 == 0 && w.col0 % 64 == 0;
+  const bool vec = qabs_vec && d.C % 64 == 0 && w.col0 % 64 == 0 && vec_ok(w);
   const int tb = !vec ? kTB : (n == 1 ? 1 : 4);
   const size_t smem = sizeof(float) * tb * (size_t(d.nope) + 8 * 64);
   auto go = [&](auto k1, auto k4, auto k0) {

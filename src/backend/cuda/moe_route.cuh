@@ -23,13 +23,34 @@ __device__ __forceinline__ void warp_best(float& v, int& i) {
   }
 }
 
+// gate.cc's score of a group from its `per` choice scores c: the max, or with a bias the sum of
+// the top two.
+__device__ __forceinline__ float group_score(const float* c, int per, bool bias) {
+  if (!bias) {
+    float m = c[0];
+    for (int j = 1; j < per; ++j) m = fmaxf(m, c[j]);
+    return m;
+  }
+  float m1 = -INFINITY, m2 = -INFINITY;
+  for (int j = 0; j < per; ++j) {
+    if (c[j] > m1) m2 = m1, m1 = c[j];
+    else if (c[j] > m2) m2 = c[j];
+  }
+  return m1 + m2;
+}
+
+// Pair row p of a one-token schedule: expert (or shared slice) e's only pair, weight w, one tile.
+__device__ __forceinline__ void one_token_slot(const MoeSched& s, int p, int e, float w) {
+  s.active[p] = e, s.off[e] = p, s.cnt[e] = 1, s.perm[p] = 0;
+  s.tile_e[p] = e, s.tile_m0[p] = 0;
+  s.pair_of[p] = p, s.pw[p] = w;
+}
+
 // Warp `lane`s route token i (gate.cc's choices) and write its K experts, by expert index, as
 // ids into pair_of[i, :K] with their weights in pw (the grouping turns ids into pair rows).
-// direct (a step of one token): the warp writes the whole schedule itself instead (what
-// group_pairs would: pair row = rank, the shared slices after the routed experts).
 __device__ void route_token_warp(const RouteArgs& ra, const float* __restrict__ logits, const float* __restrict__ bias,
                                  const MoeSched& s, int64_t i, float* sc, float* ch, float* gs, int32_t* topk_idx,
-                                 float* topk_w, bool direct = false) {
+                                 float* topk_w) {
   const int E = s.E, K = s.K, Kt = s.K + s.S, G = ra.G, per = E / G, lane = threadIdx.x & 31;
   constexpr int kPer = kMaxE / 32;  // experts per lane at most
   const int nj = (E + 31) / 32;     // ... and for this E (the loops below skip the rest)
@@ -71,21 +92,7 @@ __device__ void route_token_warp(const RouteArgs& ra, const float* __restrict__ 
   }
   __syncwarp();
   if (G > 1) {
-    for (int g = lane; g < G; g += 32) {  // group score as gate.cc: max, or the top-2 sum with a bias
-      const float* c = ch + g * per;
-      if (!bias) {
-        float m = c[0];
-        for (int j = 1; j < per; ++j) m = fmaxf(m, c[j]);
-        gs[g] = m;
-      } else {
-        float m1 = -INFINITY, m2 = -INFINITY;
-        for (int j = 0; j < per; ++j) {
-          if (c[j] > m1) m2 = m1, m1 = c[j];
-          else if (c[j] > m2) m2 = c[j];
-        }
-        gs[g] = m1 + m2;
-      }
-    }
+    for (int g = lane; g < G; g += 32) gs[g] = group_score(ch + g * per, per, bias != nullptr);
     __syncwarp();
     uint64_t keep = 0;
     for (int r = 0; r < ra.topk_groups; ++r) {
@@ -134,23 +141,9 @@ __device__ void route_token_warp(const RouteArgs& ra, const float* __restrict__ 
     const unsigned msk = __ballot_sync(0xffffffffu, mine);
     if (mine) {
       const int rank = base + __popc(msk & ((1u << lane) - 1u)), e = lane + 32 * j;
-      s.pair_of[i * Kt + rank] = direct ? rank : e, s.pw[i * Kt + rank] = weight_of(sc[e]);
-      if (direct) {
-        s.active[rank] = e, s.off[e] = rank, s.cnt[e] = 1, s.perm[rank] = 0;
-        s.tile_e[rank] = e, s.tile_m0[rank] = 0;
-      }
+      s.pair_of[i * Kt + rank] = e, s.pw[i * Kt + rank] = weight_of(sc[e]);
     }
     base += __popc(msk);
-  }
-  if (direct && lane < s.S) {  // shared slice `lane`: pair row K + lane, one tile
-    const int e = s.E + lane, p = s.K + lane;
-    s.active[p] = e, s.off[e] = p, s.cnt[e] = 1, s.perm[p] = 0;
-    s.tile_e[p] = e, s.tile_m0[p] = 0;
-    s.pair_of[p] = p, s.pw[p] = 1.f;
-  }
-  if (direct && lane == 0) {
-    *s.n_active = s.K + s.S, *s.n_tiles = s.K + s.S;
-    if (s.experts_run) atomicAdd(s.experts_run, (unsigned long long)s.K);
   }
   __syncwarp();
 }
@@ -158,8 +151,9 @@ __device__ void route_token_warp(const RouteArgs& ra, const float* __restrict__ 
 // One token (a step of one) by the whole block, one expert per thread (blockDim >= E): the same
 // choices as route_token_warp (gate.cc's order, higher value then lower index) found as each
 // expert's rank among all of them rather than by K serial warp-wide rounds, and the schedule
-// written directly (what route_token_warp's `direct` writes). topk_idx / topk_w: the choices in
-// choice order (tests). Every thread of the block must call it.
+// written directly (what group_pairs would make of it: pair row = rank by expert index, the
+// shared slices after the routed experts). topk_idx / topk_w: the choices in choice order
+// (tests). Every thread of the block must call it.
 __device__ void route_one_block(const RouteArgs& ra, const float* __restrict__ logits, const float* __restrict__ bias,
                                 const MoeSched& s, int32_t* topk_idx, float* topk_w) {
   __shared__ float sc[kMaxE], ch[kMaxE], gs[kMaxG];
@@ -196,15 +190,7 @@ __device__ void route_one_block(const RouteArgs& ra, const float* __restrict__ l
   if (live) sc[e] = p, ch[e] = bias ? p + bias[e] : p;
   __syncthreads();
   if (G > 1) {  // group scores as gate.cc (max, or the top-2 sum with a bias), then keep the best groups
-    if (e < G) {
-      const float* c = ch + e * per;
-      float m1 = -INFINITY, m2 = -INFINITY;
-      for (int j = 0; j < per; ++j) {
-        if (c[j] > m1) m2 = m1, m1 = c[j];
-        else if (c[j] > m2) m2 = c[j];
-      }
-      gs[e] = bias ? m1 + m2 : m1;
-    }
+    if (e < G) gs[e] = group_score(ch + e * per, per, bias != nullptr);
     __syncthreads();
     bool keep = false;
     if (live) {
@@ -250,16 +236,9 @@ __device__ void route_one_block(const RouteArgs& ra, const float* __restrict__ l
   if (chosen) {
     int pos = __popc(msk & ((1u << lane) - 1u));
     for (int w = 0; w < warp; ++w) pos += wcnt[w];
-    s.pair_of[pos] = pos, s.pw[pos] = weight_of(sc[e]);
-    s.active[pos] = e, s.off[e] = pos, s.cnt[e] = 1, s.perm[pos] = 0;
-    s.tile_e[pos] = e, s.tile_m0[pos] = 0;
+    one_token_slot(s, pos, e, weight_of(sc[e]));
   }
-  if (e < s.S) {  // shared slice e: pair row K + e, one tile
-    const int x = s.E + e, q = s.K + e;
-    s.active[q] = x, s.off[x] = q, s.cnt[x] = 1, s.perm[q] = 0;
-    s.tile_e[q] = x, s.tile_m0[q] = 0;
-    s.pair_of[q] = q, s.pw[q] = 1.f;
-  }
+  if (e < s.S) one_token_slot(s, s.K + e, s.E + e, 1.f);  // shared slice e: pair row K + e
   if (e == 0) {
     *s.n_active = s.K + s.S, *s.n_tiles = s.K + s.S;
     if (s.experts_run) atomicAdd(s.experts_run, (unsigned long long)s.K);
