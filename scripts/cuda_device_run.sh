@@ -9,7 +9,8 @@
 # Environment: TESTS (gtest filter, default all CUDA tests; "none" to skip), BENCH_ARGS (for
 # dsv3_cuda_bench; "none" to skip), SANITIZE=1 (compute-sanitizer memcheck over the op tests),
 # ALT_NVFLAGS (build the kernels a second time with these nvcc flags as bench_alt and run BENCH_ARGS on
-# both, alternating ALT_ROUNDS times), LT_ARGS (run dsv3_cublaslt_bench with them), CLI=1 (also build `dsv3` with the bench command) and CLI_ARGS (run it, e.g. "bench --device cuda ...").
+# both, alternating ALT_ROUNDS times with ALT_ARGS if given), ALT_SRC (... or from the .cu files of this copy of src/, e.g.
+# an untracked alt/src carried along), LT_ARGS (run dsv3_cublaslt_bench with them), CLI=1 (also build `dsv3` with the bench command) and CLI_ARGS (run it, e.g. "bench --device cuda ...").
 set -u
 cd "$(dirname "$0")/.."
 ROOT=$PWD
@@ -65,9 +66,13 @@ if [ "${CLI:-0}" = 1 ]; then  # the dsv3 binary with the bench command only (for
     compile "$s" "$B/cli/$(echo "$s" | tr / _).o" g++ $CXXFLAGS
   done
 fi
-if [ -n "${ALT_NVFLAGS:-}" ]; then  # a second build of the kernels (bench_alt) for A/B runs
+ALT=${ALT_NVFLAGS:-}${ALT_SRC:-}
+if [ -n "$ALT" ]; then  # a second build of the kernels (bench_alt) for A/B runs
   mkdir -p "$B/obj_alt"
-  for s in src/backend/cuda/*.cu; do compile "$s" "$B/obj_alt/$(echo "$s" | tr / _).o" nvcc $NVFLAGS $ALT_NVFLAGS; done
+  ASRC=${ALT_SRC:-src}
+  for s in $ASRC/backend/cuda/*.cu; do
+    compile "$s" "$B/obj_alt/$(basename "$s").o" nvcc -I$ROOT/$ASRC $NVFLAGS ${ALT_NVFLAGS:-}
+  done
 fi
 wait
 fail=0
@@ -78,7 +83,7 @@ if [ $fail = 0 ]; then
   g++ -o "$B/tests" "$B/test.o" $B/obj/*.o "$B/gtest-all.o" "$B/gtest_main.o" $LIBS || fail=1
   g++ -o "$B/bench" "$B/bench.o" $B/obj/*.o $LIBS || fail=1
   g++ -o "$B/ltbench" "$B/ltbench.o" $B/obj/*.o $LIBS || fail=1
-  if [ -n "${ALT_NVFLAGS:-}" ]; then
+  if [ -n "$ALT" ]; then
     g++ -o "$B/bench_alt" "$B/bench.o" $(ls $B/obj/*.o | grep -v '\.cu\.o$') $B/obj_alt/*.o $LIBS || fail=1
   fi
   if [ "${CLI:-0}" = 1 ]; then g++ -o "$B/dsv3" $B/cli/*.o $B/obj/*.o $LIBS || fail=1; fi
@@ -100,11 +105,11 @@ if [ "$BENCH_ARGS" != none ]; then
   timeout ${BENCH_TIMEOUT:-200} "$B/bench" --json "$OUT/bench.json" $BENCH_ARGS > "$OUT/bench.log" 2>&1
   log "bench rc=$?"
   cat "$OUT/bench.log" | tee -a "$OUT/summary.txt"
-  if [ -n "${ALT_NVFLAGS:-}" ]; then  # A/B: alternate the two builds, ALT_ROUNDS times each
+  if [ -n "$ALT" ]; then  # A/B: alternate the two builds, ALT_ROUNDS times each
     for r in $(seq 1 ${ALT_ROUNDS:-2}); do
       for v in bench_alt bench; do
-        log "$v ($([ $v = bench ] && echo default || echo "$ALT_NVFLAGS")) round $r: $BENCH_ARGS"
-        timeout ${BENCH_TIMEOUT:-200} "$B/$v" $BENCH_ARGS > "$OUT/ab_${v}_$r.log" 2>&1
+        log "$v ($([ $v = bench ] && echo default || echo "$ALT")) round $r: ${ALT_ARGS:-$BENCH_ARGS}"
+        timeout ${BENCH_TIMEOUT:-200} "$B/$v" ${ALT_ARGS:-$BENCH_ARGS} > "$OUT/ab_${v}_$r.log" 2>&1
         grep -E "tok/s" "$OUT/ab_${v}_$r.log" | tee -a "$OUT/summary.txt"
       done
     done

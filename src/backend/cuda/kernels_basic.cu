@@ -47,6 +47,14 @@ __global__ void rmsnorm_kernel(const float* x, int64_t d, int64_t stride, const 
 __global__ void add_rmsnorm_kernel(float* h, const float* __restrict__ r, int64_t d, const float* __restrict__ w,
                                    float eps, float* y) {
   __shared__ float red[33];
+  // The norm weights never come from a kernel: the thread's first ones load before the wait.
+  constexpr int kPre = 4;
+  float wp[kPre];
+#pragma unroll
+  for (int j = 0; j < kPre; ++j) {
+    const int64_t k = threadIdx.x + int64_t(j) * blockDim.x;
+    wp[j] = k < d ? w[k] : 0.f;
+  }
   pdl_wait();
   pdl_trigger();
   float* hi = h + blockIdx.x * d;
@@ -60,7 +68,12 @@ __global__ void add_rmsnorm_kernel(float* h, const float* __restrict__ r, int64_
   }
   ss = block_sum(ss, red);
   const float rr = 1.f / sqrtf(ss / float(d) + eps);
-  for (int64_t k = threadIdx.x; k < d; k += blockDim.x) yi[k] = hi[k] * rr * w[k];
+#pragma unroll
+  for (int j = 0; j < kPre; ++j) {
+    const int64_t k = threadIdx.x + int64_t(j) * blockDim.x;
+    if (k < d) yi[k] = hi[k] * rr * wp[j];
+  }
+  for (int64_t k = threadIdx.x + int64_t(kPre) * blockDim.x; k < d; k += blockDim.x) yi[k] = hi[k] * rr * w[k];
 }
 
 __global__ void add_kernel(float* __restrict__ y, const float* __restrict__ x, int64_t n) {

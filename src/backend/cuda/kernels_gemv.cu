@@ -341,26 +341,46 @@ __global__ void __launch_bounds__(kWarps * 32, 2) moe_gemv_kernel(int stage, con
   pdl_trigger();
 }
 
+// The warp's share of gate row r in 16-byte chunks: [lo, hi) of kWarps equal slices, from pa.
+template <int WT>
+__device__ __forceinline__ const uint4* gate_chunks(const Job& J, int64_t r, int64_t& lo, int64_t& hi) {
+  const int64_t nch = J.a.cols / chunk_elems<WT>(), per = (nch + kWarps - 1) / kWarps;
+  lo = (threadIdx.x >> 5) * per, hi = lo + per < nch ? lo + per : nch;
+  return reinterpret_cast<const uint4*>(static_cast<const char*>(J.a.w) +
+                                        ((J.a.row0 + r) * J.a.ld + J.a.col0) * elem_bytes<WT>());
+}
+constexpr int kGateU = 4;  // chunks per lane per batch
+// The lane's first batch of them (the kernel loads it before its wait: weights never come from
+// a kernel).
+template <int WT>
+__device__ __forceinline__ void gate_first(const Job& J, int64_t r, uint4* w4) {
+  int64_t lo, hi;
+  const uint4* pa = gate_chunks<WT>(J, r, lo, hi);
+  const int64_t c0 = lo + (threadIdx.x & 31);
+#pragma unroll
+  for (int u = 0; u < kGateU; ++u)
+    if (c0 + 32 * u < hi) w4[u] = ld_stream(pa + c0 + 32 * u);
+}
+
 // Gate row r's partial dot products with NT tokens over the warp's share of K (kWarps equal
 // slices of the 16-byte chunks; elements when not vectorisable): acc[j] for token t0 + j.
+// first: the lane's first batch already loaded (gate_first), or null.
 template <int WT, int NT>
-__device__ void gate_slice(const Job& J, int64_t r, int64_t t0, float* acc) {
-  constexpr int CE = chunk_elems<WT>(), U = 4;
+__device__ __forceinline__ void gate_slice(const Job& J, int64_t r, int64_t t0, float* acc, const uint4* first) {
+  constexpr int CE = chunk_elems<WT>(), U = kGateU;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const DevLinear& A = J.a;
   const float* xr[NT];
 #pragma unroll
   for (int j = 0; j < NT; ++j) xr[j] = t0 + j < J.m ? J.x + (t0 + j) * J.ldx : nullptr;
   if (J.vec) {
-    const int64_t nch = A.cols / CE, per = (nch + kWarps - 1) / kWarps;
-    const int64_t lo = warp * per, hi = lo + per < nch ? lo + per : nch;
-    const uint4* pa = reinterpret_cast<const uint4*>(static_cast<const char*>(A.w) +
-                                                     ((A.row0 + r) * A.ld + A.col0) * elem_bytes<WT>());
+    int64_t lo, hi;
+    const uint4* pa = gate_chunks<WT>(J, r, lo, hi);
     for (int64_t c0 = lo + lane; c0 < hi; c0 += 32 * U) {
       uint4 w4[U];
 #pragma unroll
       for (int u = 0; u < U; ++u)
-        if (c0 + 32 * u < hi) w4[u] = ld_stream(pa + c0 + 32 * u);
+        if (c0 + 32 * u < hi) w4[u] = first && c0 == lo + lane ? first[u] : ld_stream(pa + c0 + 32 * u);
 #pragma unroll
       for (int u = 0; u < U; ++u) {
         if (c0 + 32 * u >= hi) break;
@@ -391,17 +411,19 @@ __global__ void __launch_bounds__(kWarps * 32, 2) gate_route_kernel(Job J, Route
   __shared__ float gs_s[kWarps][kMaxG];
   __shared__ float part[kWarps][NT];
   __shared__ bool last;
-  // The trigger comes first: the expert kernel's blocks may start and load the shared experts'
-  // first weights while the last block routes.
-  pdl_wait();
-  pdl_trigger();
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int64_t r = blockIdx.x;
+  uint4 first[kGateU];
+  if (J.vec) gate_first<WT>(J, r, first);
+  // The trigger comes right after the wait: the expert kernel's blocks may start and load the
+  // shared experts' first weights while the last block routes.
+  pdl_wait();
+  pdl_trigger();
   for (int64_t t0 = 0; t0 < J.m; t0 += NT) {
     float acc[NT];
 #pragma unroll
     for (int j = 0; j < NT; ++j) acc[j] = 0.f;
-    gate_slice<WT, NT>(J, r, t0, acc);
+    gate_slice<WT, NT>(J, r, t0, acc, J.vec && t0 == 0 ? first : nullptr);
 #pragma unroll
     for (int j = 0; j < NT; ++j) acc[j] = warp_sum(acc[j]);
     if (lane == 0)

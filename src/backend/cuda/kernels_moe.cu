@@ -95,14 +95,19 @@ __global__ void __launch_bounds__(1024) combine_add_rmsnorm_kernel(MoeSched s, c
   __shared__ int64_t po[kMaxK + 16];
   __shared__ float pw[kMaxK + 16];
   __shared__ float red[33];
-  pdl_wait();
-  pdl_trigger();
   const int64_t i = blockIdx.x;
   const int K = s.K, Kt = s.K + s.S;
+  // Before the wait: the norm weights of the thread's first columns, and the token's pair rows
+  // and weights — the router wrote those at least two kernels back (both expert stages run
+  // between), so with every kernel triggering only after its own wait they are complete.
+  const int64_t c0 = int64_t(threadIdx.x) * 4;
+  const float4 w0 = c0 < d ? load4<V4>(w + c0, d - c0) : make_float4(0.f, 0.f, 0.f, 0.f);
   if (threadIdx.x < Kt) {
     po[threadIdx.x] = int64_t(s.pair_of[i * Kt + threadIdx.x]) * d;
     pw[threadIdx.x] = s.pw[i * Kt + threadIdx.x];
   }
+  pdl_wait();
+  pdl_trigger();
   __syncthreads();
   float ss = 0.f;
   for (int64_t c = int64_t(threadIdx.x) * 4; c < d; c += int64_t(blockDim.x) * 4) {
@@ -134,7 +139,7 @@ __global__ void __launch_bounds__(1024) combine_add_rmsnorm_kernel(MoeSched s, c
   const float rr = 1.f / sqrtf(ss / float(d) + eps);
   for (int64_t c = int64_t(threadIdx.x) * 4; c < d; c += int64_t(blockDim.x) * 4) {
     const int64_t rem = d - c;
-    const float4 hv = load4<V4>(h + i * d + c, rem), wv = load4<V4>(w + c, rem);
+    const float4 hv = load4<V4>(h + i * d + c, rem), wv = c == c0 ? w0 : load4<V4>(w + c, rem);
     store4<V4>(x + i * d + c, rem, make_float4(hv.x * rr * wv.x, hv.y * rr * wv.y, hv.z * rr * wv.z, hv.w * rr * wv.w));
   }
 }
