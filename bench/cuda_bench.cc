@@ -17,6 +17,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <random>
 #include <string>
@@ -224,6 +225,21 @@ int main(int argc, char** argv) {
         vars.push_back({"profile", o, true, true, true});
         o.fast = true;
         vars.push_back({"profile-fast", o, false, true, true});
+      }
+      for (int hb : {1, 2})  // dec-hH-sS (asked for only): the decode attention with H heads per block, <= S splits
+        for (int cap : {0, 4, 8, 16, 32, 64}) {
+          const std::string name = "dec-h" + std::to_string(hb) + "-s" + std::to_string(cap);
+          if (std::find(only.begin(), only.end(), name) == only.end()) continue;
+          CudaOptions o = base;
+          o.decode_heads = hb, o.decode_splits = cap;
+          vars.push_back({name, o, true, false});
+        }
+      for (int pad : {1, 4, -1, -4}) {  // pad-N (asked for only): N empty kernels per MoE layer (-wide: 2 blocks per SM)
+        const std::string name = "pad-" + std::to_string(std::abs(pad)) + (pad < 0 ? "-wide" : "");
+        if (std::find(only.begin(), only.end(), name) == only.end()) continue;
+        CudaOptions o = base;
+        o.pad_kernels = pad;
+        vars.push_back({name, o, true, false});
       }
       for (const std::string& v : only)  // ko-a+b: the default with kernel groups a and b not launched
         if (v.rfind("ko-", 0) == 0) {

@@ -769,39 +769,43 @@ TEST(CudaOps, DecodeAttentionMatchesFloat64) {
   EXPECT_GT(cuda::mla_decode_splits(d, n), 3) << "the case is meant to split the positions";
   Dev dqa(*cuda, qa), dq(*cuda, q), dkv(*cuda, ckv), dpe(*cuda, cpe), cnt(*cuda, 4096);
   Dev dpos(*cuda, pos_words(tp.data(), tp.size()));
-  for (int ns : {cuda::mla_decode_splits(d, n), 3, 1}) {
-    Dev part(*cuda, size_t(ns * n * H * C)), ml(*cuda, size_t(ns * n * H * 2));
-    for (int rep = 0; rep < 4; ++rep) {  // both forms, twice each (the counters reset)
-      const bool warps = rep < 2;
-      Dev out(*cuda, std::vector<float>(want.size(), std::nanf("")));
-      cuda::Launch L;
-      cuda::mla_decode_attn(L, d, reinterpret_cast<const cuda::DevPos*>(dpos.p), n, dqa.p, dq.p, dkv.p, dpe.p, ns,
-                            part.p, ml.p, reinterpret_cast<unsigned*>(cnt.p), out.p, warps);
-      ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
-      const std::vector<float> got = out.get();
-      for (size_t e = 0; e < got.size(); ++e) ASSERT_TRUE(std::isfinite(got[e])) << "unwritten or NaN at " << e;
-      EXPECT_LE(rel_l2(got.data(), want.data(), got.size()), 1e-5) << ns << " splits, launch " << rep
-                                                                    << (warps ? " (warps)" : " (passes)");
-      const std::vector<float> c = cnt.get();
-      EXPECT_TRUE(std::all_of(c.begin(), c.end(), [](float v) { return v == 0.f; })) << "counters left set";
+  for (int hb : {2, 1})  // heads per block
+    for (int ns : {cuda::mla_decode_splits(d, n, 0, hb), 3, 1}) {
+      Dev part(*cuda, size_t(ns * n * H * C)), ml(*cuda, size_t(ns * n * H * 2));
+      for (int rep = 0; rep < 4; ++rep) {  // both forms, twice each (the counters reset)
+        const bool warps = rep < 2;
+        Dev out(*cuda, std::vector<float>(want.size(), std::nanf("")));
+        cuda::Launch L;
+        cuda::mla_decode_attn(L, d, reinterpret_cast<const cuda::DevPos*>(dpos.p), n, dqa.p, dq.p, dkv.p, dpe.p, ns,
+                              part.p, ml.p, reinterpret_cast<unsigned*>(cnt.p), out.p, warps, hb);
+        ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+        const std::vector<float> got = out.get();
+        for (size_t e = 0; e < got.size(); ++e) ASSERT_TRUE(std::isfinite(got[e])) << "unwritten or NaN at " << e;
+        EXPECT_LE(rel_l2(got.data(), want.data(), got.size()), 1e-5)
+            << ns << " splits, launch " << rep << (warps ? " (warps)" : " (passes)") << ", " << hb << " heads per block";
+        const std::vector<float> c = cnt.get();
+        EXPECT_TRUE(std::all_of(c.begin(), c.end(), [](float v) { return v == 0.f; })) << "counters left set";
+      }
     }
-  }
   // Each token alone (a step of one: the warp form loads its first cache rows before the wait).
-  for (int64_t i = 0; i < n; ++i) {
-    const int ns = cuda::mla_decode_splits(d, 1);
-    Dev part(*cuda, size_t(ns * H * C)), ml(*cuda, size_t(ns * H * 2));
-    Dev pos1(*cuda, pos_words(&tp[size_t(i)], 1));
-    for (bool warps : {true, false}) {
-      Dev out(*cuda, std::vector<float>(size_t(H * C), std::nanf("")));
-      cuda::Launch L;
-      cuda::mla_decode_attn(L, d, reinterpret_cast<const cuda::DevPos*>(pos1.p), 1, dqa.p + i * H * C, dq.p + i * H * qk,
-                            dkv.p, dpe.p, ns, part.p, ml.p, reinterpret_cast<unsigned*>(cnt.p), out.p, warps);
-      ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
-      const std::vector<float> got = out.get();
-      EXPECT_LE(rel_l2(got.data(), want.data() + i * H * C, got.size()), 1e-5)
-          << "token " << i << " alone, " << ns << " splits" << (warps ? " (warps)" : " (passes)");
+  for (int hb : {2, 1})
+    for (int64_t i = 0; i < n; ++i) {
+      const int ns = cuda::mla_decode_splits(d, 1, 0, hb);
+      Dev part(*cuda, size_t(ns * H * C)), ml(*cuda, size_t(ns * H * 2));
+      Dev pos1(*cuda, pos_words(&tp[size_t(i)], 1));
+      for (bool warps : {true, false}) {
+        Dev out(*cuda, std::vector<float>(size_t(H * C), std::nanf("")));
+        cuda::Launch L;
+        cuda::mla_decode_attn(L, d, reinterpret_cast<const cuda::DevPos*>(pos1.p), 1, dqa.p + i * H * C,
+                              dq.p + i * H * qk, dkv.p, dpe.p, ns, part.p, ml.p, reinterpret_cast<unsigned*>(cnt.p),
+                              out.p, warps, hb);
+        ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+        const std::vector<float> got = out.get();
+        EXPECT_LE(rel_l2(got.data(), want.data() + i * H * C, got.size()), 1e-5)
+            << "token " << i << " alone, " << ns << " splits" << (warps ? " (warps)" : " (passes)") << ", " << hb
+            << " heads per block";
+      }
     }
-  }
 }
 
 // The decode q absorption of mla_prep_qabs at the 16B shape (nope 128, C 512, 16 heads), both

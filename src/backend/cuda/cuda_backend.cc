@@ -55,11 +55,14 @@ CudaOptions CudaOptions::from_env() {
   o.decode_attn_warps = env_flag("DSV3_CUDA_DECODE_ATTN_WARPS", o.decode_attn_warps);
   o.pair_gemv = env_flag("DSV3_CUDA_PAIR_GEMV", o.pair_gemv);
   o.qabs_vec = env_flag("DSV3_CUDA_QABS_VEC", o.qabs_vec);
+  o.decode_heads = env_int("DSV3_CUDA_DECODE_HEADS", o.decode_heads);
+  o.decode_splits = env_int("DSV3_CUDA_DECODE_SPLITS", o.decode_splits);
   o.tc_gemv_max = env_int("DSV3_CUDA_TC_GEMV_MAX", o.tc_gemv_max);
   o.tc_gemv_bf16_min = env_int("DSV3_CUDA_TC_GEMV_BF16_MIN", o.tc_gemv_bf16_min);
   o.progress = env_flag("DSV3_CUDA_PROGRESS", isatty(2) != 0);
   o.profile = env_flag("DSV3_CUDA_PROFILE", o.profile);
   if (const char* k = std::getenv("DSV3_CUDA_KNOCKOUT")) o.knockout = k;
+  o.pad_kernels = env_int("DSV3_CUDA_PAD_KERNELS", o.pad_kernels);
   return o;
 }
 
@@ -432,6 +435,7 @@ class CudaBackend final : public Backend {
         if (!ko("combine"))
           cuda::moe_combine_add_rmsnorm(L_, pmoe_.s, pmoe_.o, pmoe_.d, pmoe_.y, pend_.y, w.as<float>(), eps, y);
         pmoe_.active = false;
+        if (opt_.pad_kernels) cuda::empty_kernels(L_, std::abs(opt_.pad_kernels), opt_.pad_kernels < 0);
       } else {
         mark("add+rmsnorm");
         if (!ko("norm")) cuda::add_rmsnorm(L_, pend_.y, pend_.x, n, d, w.as<float>(), eps, y);
@@ -562,9 +566,9 @@ class CudaBackend final : public Backend {
     } else if (n <= opt_.gemv_max || !T.gemm) {
       // GEMVs: on tensor cores where they take the experts (tcv_moe), else the FMA kernels.
       float* h = f32(kMoeH, size_t(P * T.rows13));
-      if (!(T.tcv && cuda::tcv_moe(L_, 0, T.dev, T.rows13, T.wtype, s, x, D, h, T.rows13)))
+      if (!ko("experts0") && !(T.tcv && cuda::tcv_moe(L_, 0, T.dev, T.rows13, T.wtype, s, x, D, h, T.rows13)))
         cuda::moe_gemv(L_, 0, T.dev, T.rows13, T.wtype, s, x, D, h, T.rows13);
-      if (!(T.tcv && cuda::tcv_moe(L_, 1, T.dev, T.rows2, T.wtype, s, h, T.rows13, o, D)))
+      if (!ko("experts1") && !(T.tcv && cuda::tcv_moe(L_, 1, T.dev, T.rows2, T.wtype, s, h, T.rows13, o, D)))
         cuda::moe_gemv(L_, 1, T.dev, T.rows2, T.wtype, s, h, T.rows13, o, D);
     } else {
       float* h = f32(kMoeH, size_t(P * 2 * T.rows13));
@@ -612,15 +616,16 @@ class CudaBackend final : public Backend {
           mark("mla.qabs");
           cuda::mla_qabs(L_, d, wkv_b, q, n, qa);
         }
-        const bool one = opt_.decode_attn && n <= 16 && cuda::mla_decode_ok(d, n, kAttnCounters);
-        const int ns = one ? cuda::mla_decode_splits(d, n) : cuda::mla_splits(d, n);
+        const int hb = opt_.decode_heads ? opt_.decode_heads : cuda::mla_decode_heads(n);
+        const bool one = opt_.decode_attn && n <= 16 && cuda::mla_decode_ok(d, n, kAttnCounters, hb);
+        const int ns = one ? cuda::mla_decode_splits(d, n, opt_.decode_splits, hb) : cuda::mla_splits(d, n);
         float* part = ns > 1 ? f32(kPart, size_t(ns * n * H * C)) : nullptr;
         float* ml = ns > 1 ? f32(kMl, size_t(ns * n * H * 2)) : nullptr;
         if (ko("attn")) {
         } else if (one) {
           mark("mla.attn1");
           cuda::mla_decode_attn(L_, d, pos, n, qa, q, cache.kv, cache.pe, ns, part, ml, attn_counters_, ol,
-                                opt_.decode_attn_warps);
+                                opt_.decode_attn_warps, hb);
         } else {
           float* S = f32(kS, size_t(n * H * max_len));
           mark("mla.scores");

@@ -23,6 +23,10 @@ struct CudaOptions {
   bool decode_attn_warps = true; // ... with each warp folding its cache rows into a running softmax as they
                                  // arrive (one load round per 16 positions; DSV3_CUDA_DECODE_ATTN_WARPS=0:
                                  // score, softmax and value passes)
+  int decode_heads = 0;   // heads per block of that attention: 1 or 2 (DSV3_CUDA_DECODE_HEADS; 0: one for a
+                          // single token, else two)
+  int decode_splits = 0;  // at most this many position splits per token there (DSV3_CUDA_DECODE_SPLITS; 0: by
+                          // the cache length, up to 256 blocks for one token, 512 for more)
   bool pair_gemv = true; // two GEMVs on the same activations (wq and wkv_a at decode) in one launch
                          // (DSV3_CUDA_PAIR_GEMV=0: one launch each)
   bool qabs_vec = true;  // the decode q absorption with 16-byte weight loads (DSV3_CUDA_QABS_VEC=0: element-wise)
@@ -46,10 +50,15 @@ struct CudaOptions {
   bool fp8_wgmma = true; // FP8 weights in the pipelined kernel's wgmma form (widened to bf16 in shared memory)
                          // for products of tc_min+ tokens; off: the WMMA GEMM (DSV3_CUDA_FP8_WGMMA=0)
   // A measurement aid, never for results: decode-step kernel groups not launched at all
-  // (comma-separated: norm, combine, pair, prep, attn, out, linear, gate, experts), so a
-  // benchmark's step time without them shows what each costs inside the recorded step
-  // (DSV3_CUDA_KNOCKOUT). Their outputs keep whatever the buffers held.
+  // (comma-separated: norm, combine, pair, prep, attn, out, linear, gate, experts; experts0 or
+  // experts1: one stage of the decode GEMV experts), so a benchmark's step time without them
+  // shows what each costs inside the recorded step (DSV3_CUDA_KNOCKOUT). Their outputs keep
+  // whatever the buffers held.
   std::string knockout;
+  // Also a measurement aid: this many kernels that do nothing but wait after each MoE layer's
+  // combine (negative: as many wide ones, two blocks per SM), so the step time shows what a kernel
+  // boundary costs in the recorded chain (DSV3_CUDA_PAD_KERNELS).
+  int pad_kernels = 0;
   // FP8 weights are always dequantised inside the kernels (no FP8 tensor-core arithmetic: that
   // would quantise the activations too), which is what DSV3_CUDA_FP8_DEQUANT=1 asks for; the
   // variable is accepted for that reason.

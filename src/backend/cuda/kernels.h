@@ -60,6 +60,9 @@ void rmsnorm(const Launch& L, const float* x, int64_t n, int64_t d, int64_t stri
 void add(const Launch& L, float* y, const float* x, int64_t n);
 // h[i, :d] += r[i, :d]; y[i, :d] = rmsnorm(h[i]) * w (rows contiguous).
 void add_rmsnorm(const Launch& L, float* h, const float* r, int64_t n, int64_t d, const float* w, float eps, float* y);
+// `count` kernels that only wait (one warp, or `wide`: two 256-thread blocks per SM): the cost of
+// a kernel boundary in the stream, for measurements (CudaOptions::pad_kernels).
+void empty_kernels(const Launch& L, int count, bool wide);
 // Per row of x [rows, cols]: out[r] = {the lowest index of the largest value in [0, limit), the
 // first NaN / +inf index or -1, 1 if every value is -inf}.
 void argmax_rows(const Launch& L, const float* x, int64_t rows, int64_t cols, int64_t limit, int32_t* out);
@@ -271,12 +274,16 @@ void mla_values(const Launch& L, const MlaDims& d, const DevPos* pos, int64_t n,
 // mla_decode_splits: its position splits for n tokens (from max_len, not the positions: a
 // recorded step replays with others); each token's positions spread over as many of them as
 // give chunks of at least 16 rows, decided on the device.
-bool mla_decode_ok(const MlaDims& d, int64_t n, int64_t counters);
-int mla_decode_splits(const MlaDims& d, int64_t n);
+// hb: heads per block (1 or 2; counters then at least n * ceil(H / hb)); mla_decode_heads: the
+// choice for n tokens (one head per block for a single token: twice the blocks over a short
+// cache); cap: at most this many splits (0: none).
+int mla_decode_heads(int64_t n);
+bool mla_decode_ok(const MlaDims& d, int64_t n, int64_t counters, int hb = 2);
+int mla_decode_splits(const MlaDims& d, int64_t n, int cap = 0, int hb = 2);
 void mla_decode_attn(const Launch& L, const MlaDims& d, const DevPos* pos, int64_t n, const float* qa, const float* q,
                      const float* cache_kv, const float* cache_pe, int nsplit, float* part, float* ml,
-                     unsigned* counters, float* ol, bool warps = true);  // warps: each warp's rows folded in
-                                                                      // as loaded; else score/softmax/value passes
+                     unsigned* counters, float* ol, bool warps = true,  // warps: each warp's rows folded in
+                     int hb = 2);                                       // as loaded; else score/softmax/value passes
 // Naive: k_nope and v of the new tokens from kvb [n, H * (nope + V)] into the caches.
 void mla_naive_store(const Launch& L, const MlaDims& d, const DevPos* pos, int64_t n, const float* kvb,
                      float* cache_k, float* cache_v);

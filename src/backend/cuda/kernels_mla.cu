@@ -875,28 +875,35 @@ void mla_values(const Launch& L, const MlaDims& d, const DevPos* pos, int64_t n,
     launch(L, values_reduce_kernel, dim3(unsigned(n * d.H)), dim3(128), 0, d, pos, n, chunk, part, ml, ol);
 }
 
-int mla_decode_splits(const MlaDims& d, int64_t n) {
-  // As many splits as keep the blocks few (at most 512: bounded partials), no more than the
-  // combining block's factor table holds or the cache has chunks of kDecMinChunk.
-  const int64_t blocks = n * ((d.H + 1) / 2), by_len = (d.max_len + kDecMinChunk - 1) / kDecMinChunk;
-  const int64_t s = std::min<int64_t>({by_len, 512 / std::max<int64_t>(blocks, 1), kDecMaxSplits});
+int mla_decode_heads(int64_t n) { return n == 1 ? 1 : 2; }
+
+int mla_decode_splits(const MlaDims& d, int64_t n, int cap, int hb) {
+  // As many splits as keep the blocks few (at most 512, 256 for one token: bounded partials and
+  // a short combine), no more than the combining block's factor table holds or the cache has
+  // chunks of kDecMinChunk (nor `cap`). On the H200 at one token, one head per block: 16 splits
+  // against 32 are +2% at 80 positions, +7% at 1024, +7% at 4096 (tok/s of the whole step).
+  const int64_t blocks = n * ((d.H + hb - 1) / hb), by_len = (d.max_len + kDecMinChunk - 1) / kDecMinChunk;
+  const int64_t budget = n == 1 ? 256 : 512;
+  int64_t s = std::min<int64_t>({by_len, budget / std::max<int64_t>(blocks, 1), kDecMaxSplits});
+  if (cap > 0) s = std::min<int64_t>(s, cap);
   return int(std::max<int64_t>(1, s));
 }
 
-bool mla_decode_ok(const MlaDims& d, int64_t n, int64_t counters) {
+bool mla_decode_ok(const MlaDims& d, int64_t n, int64_t counters, int hb) {
   static_assert(kDecMaxSplits <= kDecPass, "split factors live in the score buffer");
-  return d.C <= 256 * kDecCols && d.C + d.R <= 32 * kMaxJ && n * ((d.H + 1) / 2) <= counters;
+  return d.C <= 256 * kDecCols && d.C + d.R <= 32 * kMaxJ && n * ((d.H + hb - 1) / hb) <= counters &&
+         (hb == 1 || hb == 2);
 }
 
-void mla_decode_attn(const Launch& L, const MlaDims& d, const DevPos* pos, int64_t n, const float* qa, const float* q,
-                     const float* cache_kv, const float* cache_pe, int nsplit, float* part, float* ml,
-                     unsigned* counters, float* ol, bool warps) {
-  constexpr int HB = 2;
-  DSV3_CHECK(nsplit >= 1 && nsplit <= kDecMaxSplits, "mla_decode_attn: ", nsplit, " position splits");
+namespace {
+template <int HB>
+void launch_decode_attn(const Launch& L, const MlaDims& d, const DevPos* pos, int64_t n, const float* qa,
+                        const float* q, const float* cache_kv, const float* cache_pe, int nsplit, float* part,
+                        float* ml, unsigned* counters, float* ol, bool warps) {
   const dim3 grid(unsigned(n * cdiv(d.H, HB)), 1, unsigned(nsplit));
   if (warps) {
     const size_t smem = sizeof(float) * size_t(HB) * size_t(d.C + d.R + 8 * d.C + kDecMaxSplits);
-    // (38.4 KB at C 512: within the default 48 KB; mla_decode_ok caps C at 512)
+    // (38.4 KB at C 512 and two heads: within the default 48 KB; mla_decode_ok caps C at 512)
     if (n == 1) launch(L, decode_attn_warps_kernel<HB, true>, grid, dim3(256), smem, d, pos, n, qa, q, cache_kv, cache_pe,
                        part, ml, counters, ol);
     else launch(L, decode_attn_warps_kernel<HB, false>, grid, dim3(256), smem, d, pos, n, qa, q, cache_kv, cache_pe,
@@ -905,6 +912,16 @@ void mla_decode_attn(const Launch& L, const MlaDims& d, const DevPos* pos, int64
   }
   const size_t smem = sizeof(float) * size_t(HB) * size_t(d.C + d.R + kDecPass);
   launch(L, decode_attn_kernel<HB>, grid, dim3(256), smem, d, pos, n, qa, q, cache_kv, cache_pe, part, ml, counters, ol);
+}
+}  // namespace
+
+void mla_decode_attn(const Launch& L, const MlaDims& d, const DevPos* pos, int64_t n, const float* qa, const float* q,
+                     const float* cache_kv, const float* cache_pe, int nsplit, float* part, float* ml,
+                     unsigned* counters, float* ol, bool warps, int hb) {
+  DSV3_CHECK(nsplit >= 1 && nsplit <= kDecMaxSplits, "mla_decode_attn: ", nsplit, " position splits");
+  DSV3_CHECK(hb == 1 || hb == 2, "mla_decode_attn: ", hb, " heads per block");
+  if (hb == 1) launch_decode_attn<1>(L, d, pos, n, qa, q, cache_kv, cache_pe, nsplit, part, ml, counters, ol, warps);
+  else launch_decode_attn<2>(L, d, pos, n, qa, q, cache_kv, cache_pe, nsplit, part, ml, counters, ol, warps);
 }
 
 void mla_naive_store(const Launch& L, const MlaDims& d, const DevPos* pos, int64_t n, const float* kvb, float* cache_k,
