@@ -3,8 +3,8 @@
 // widened to f16 exactly, its 128x128 block scale applied per 128-K partial product), and takes
 // the activations as B fragments (one token per MMA column, up to 8) from shared memory, where
 // each block first splits them once: into three bf16 parts (hi + mid + lo: 24 bits) for bf16
-// weights, into two f16 parts of the activations times a power of two per token for e4m3
-// weights. float32 accumulation throughout: float32-grade products with ~16x fewer instructions
+// weights, into two f16 parts of the activations times a power of two per token and 128-column
+// block for e4m3 weights (folded back into that block's partial product, like its weight scale). float32 accumulation throughout: float32-grade products with ~16x fewer instructions
 // per weight byte than the FMA GEMVs (kernels_gemv.cu), whose place this takes where it fits.
 //
 // Fragment layout (m16n8k16): lane l = 4 g + c holds rows g and g + 8 of A and token column g of
@@ -58,6 +58,8 @@ template <int WT>
 __host__ __device__ constexpr int64_t row_bytes(int64_t K) {  // one token's row of one part in shared memory
   return 2 * K + Tcv<WT>::PAD;
 }
+// The e4m3 path's per-(token, 128-column block) multipliers in shared memory.
+__host__ __device__ constexpr int64_t am_bytes(int64_t m, int64_t K) { return (m * (K / 128) * 4 + 15) / 16 * 16; }
 // Byte offset of activation k (a multiple of 4) inside a token's row. Lane c's weight bytes of
 // an iteration are [16c, 16c + 16) and [64 + 16c, 64 + 16c + 16) of the row's 128 (two loads
 // that each cover 64 contiguous bytes over the four lanes); its activations for those k are
@@ -91,42 +93,26 @@ __device__ __forceinline__ uint32_t e4m3x2_h2(uint32_t v) {  // low byte -> low 
   return uint32_t(h.x) | (uint32_t(h.y) << 16);
 }
 
-// The block's m activation rows into shared memory as PARTS parts [part][token][row_bytes];
-// for e4m3 weights also each token's power-of-two multiplier (tmul: the product's factor back).
+// The block's m activation rows into shared memory as PARTS parts [part][token][row_bytes]; for
+// e4m3 weights each (token, 128-column block) scaled by its own power of two first (am: the
+// factor back, [token][K / 128], folded into that iteration's partial product). A warp's 32
+// float4 are one such block (K % 128 == 0), so its multiplier is a warp maximum: one pass.
 template <int WT>
-__device__ void stage_x(const TcvJob& J, int64_t K, char* act, float* tmul, unsigned* amax) {
+__device__ void stage_x(const TcvJob& J, int64_t K, char* act, float* am) {
   const int64_t S = row_bytes<WT>(K), q4 = K / 4, total = int64_t(J.m) * q4, PS = int64_t(J.m) * S;
   auto row = [&](int t) { return J.x + (J.idx ? int64_t(J.idx[t]) : int64_t(t)) * J.ldx; };
-  if constexpr (WT == kFP8) {
-    if (threadIdx.x < 8) amax[threadIdx.x] = 0u;
-    __syncthreads();
-    for (int64_t f0 = 0; f0 < total; f0 += blockDim.x) {  // a warp's 32 float4 share a token (K % 128 == 0)
-      const int64_t f = f0 + threadIdx.x;
-      float mx = 0.f;
-      int t = 0;
-      if (f < total) {
-        t = int(f / q4);
-        const float4 v = __ldg(reinterpret_cast<const float4*>(row(t)) + f % q4);
-        mx = fmaxf(fmaxf(fabsf(v.x), fabsf(v.y)), fmaxf(fabsf(v.z), fabsf(v.w)));
-      }
-      mx = warp_max(mx);
-      if ((threadIdx.x & 31) == 0 && f < total) atomicMax(amax + t, __float_as_uint(mx));
-    }
-    __syncthreads();
-    if (threadIdx.x < J.m) {
-      int e = 0;
-      frexpf(__uint_as_float(amax[threadIdx.x]), &e);  // amax * 2^-e < 1 (0: e = 0)
-      tmul[threadIdx.x] = ldexpf(1.f, max(-100, min(e, 100)));
-    }
-    __syncthreads();
-  }
-  for (int64_t f = threadIdx.x; f < total; f += blockDim.x) {
+  for (int64_t f = threadIdx.x; f < total; f += blockDim.x) {  // warp-uniform: total % 32 == 0
     const int t = int(f / q4);
     const int64_t k = 4 * (f % q4);
     float4 v = __ldg(reinterpret_cast<const float4*>(row(t)) + f % q4);
     char* base = act + t * S + act_off<WT>(k);
     if constexpr (WT == kFP8) {
-      const float inv = 1.f / tmul[t];  // a power of two: exact
+      const float mx = warp_max(fmaxf(fmaxf(fabsf(v.x), fabsf(v.y)), fmaxf(fabsf(v.z), fabsf(v.w))));
+      int e = 0;
+      frexpf(mx, &e);  // mx * 2^-e < 1 (0: e = 0)
+      e = max(-100, min(e, 100));
+      if ((threadIdx.x & 31) == 0) am[int64_t(t) * (K / 128) + k / 128] = ldexpf(1.f, e);
+      const float inv = ldexpf(1.f, -e);  // a power of two: exact
       v.x *= inv, v.y *= inv, v.z *= inv, v.w *= inv;
       const uint32_t h0 = pack_h2(v.x, v.y), h1 = pack_h2(v.z, v.w);
       const float2 g0 = h2f(h0), g1 = h2f(h1);
@@ -154,7 +140,7 @@ __device__ __forceinline__ uint32_t word(const uint4& v, int i) { return i == 0 
 // are read one at a time (the registers go to the weights in flight).
 template <int WT, int NM>
 __device__ __forceinline__ void mma_iter(const uint4* w, const char* bp, int64_t PS, int sw, bool has_tok,
-                                         float (&acc)[NM][4], const float (&scale)[NM]) {
+                                         float (&acc)[NM][4], const float (&scale)[NM], float c0, float c1) {
   constexpr int PARTS = Tcv<WT>::PARTS, NU = WT == kFP8 ? 4 : 2;
   // A fresh partial per iteration, added to acc in float32: the tensor cores' accumulation
   // truncates, so a long K accumulated in the MMAs drifts (measured: 3e-6 relative over 3072).
@@ -190,7 +176,8 @@ __device__ __forceinline__ void mma_iter(const uint4* w, const char* bp, int64_t
 #pragma unroll
   for (int q = 0; q < NM; ++q)
 #pragma unroll
-    for (int i = 0; i < 4; ++i) acc[q][i] = WT == kFP8 ? fmaf(t[q][i], scale[q], acc[q][i]) : acc[q][i] + t[q][i];
+    for (int i = 0; i < 4; ++i)  // (e4m3: the weights' block scale times the token column's multiplier)
+      acc[q][i] = WT == kFP8 ? fmaf(t[q][i], scale[q] * (i & 1 ? c1 : c0), acc[q][i]) : acc[q][i] + t[q][i];
 }
 
 // MODE 0: y = x · a; 1: y = silu(x · a) * (x · b); 2: as 0, then c's tiles to y2. Every warp of
@@ -201,8 +188,6 @@ __device__ void tcv_run(const TcvJob& J, int64_t tile_base, char* smem) {
   constexpr bool FUSED = MODE == 1;
   constexpr int NL = FUSED ? 8 : 4;  // 16-byte loads per lane per iteration
   constexpr int NB = FUSED ? 2 : 3;  // iterations in the register ring
-  __shared__ float tmul[8];
-  __shared__ unsigned amax[8];
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, c4 = lane & 3;
   const int ks = J.ks;
   const int64_t tile = tile_base + warp / ks;
@@ -242,7 +227,11 @@ __device__ void tcv_run(const TcvJob& J, int64_t tile_base, char* smem) {
   for (int s = 0; s < NB; ++s)
     if (i0 + s < i1) load(i0 + s, buf[s]);
   pdl_wait();
-  stage_x<WT>(J, K, smem, tmul, amax);
+  // [activation parts][e4m3: multipliers am [m][K / 128]][K-slice partials when ks > 1]
+  const int64_t act_bytes = (T::PARTS * int64_t(J.m) * row_bytes<WT>(K) + 15) / 16 * 16;
+  float* am = reinterpret_cast<float*>(smem + act_bytes);
+  const int nkb = int(K / 128);
+  stage_x<WT>(J, K, smem, am);
   __syncthreads();
   const int64_t S = row_bytes<WT>(K), PS = int64_t(J.m) * S;
   const bool has_tok = ONE ? g == 0 : g < J.m;
@@ -263,7 +252,12 @@ __device__ void tcv_run(const TcvJob& J, int64_t tile_base, char* smem) {
         float sc[NM];
         sc[0] = WT == kFP8 ? __ldg(sa + it) : 1.f;
         if constexpr (FUSED) sc[NM - 1] = WT == kFP8 ? __ldg(sb + it) : 1.f;
-        mma_iter<WT, NM>(buf[s], bsrc + int64_t(it) * (WT == kFP8 ? 256 : 128), PS, sw, has_tok, acc, sc);
+        float c0 = 1.f, c1 = 1.f;  // the lane's two token columns' multipliers (e4m3)
+        if constexpr (WT == kFP8) {
+          c0 = am[min(2 * c4, J.m - 1) * nkb + it];
+          c1 = am[min(2 * c4 + 1, J.m - 1) * nkb + it];
+        }
+        mma_iter<WT, NM>(buf[s], bsrc + int64_t(it) * (WT == kFP8 ? 256 : 128), PS, sw, has_tok, acc, sc, c0, c1);
         if (it + NB < i1) load(it + NB, buf[s]);
       }
     }
@@ -271,7 +265,7 @@ __device__ void tcv_run(const TcvJob& J, int64_t tile_base, char* smem) {
   // The K slices of a tile, summed in slice order by its first warp (deterministic).
   if (ks > 1) {
     constexpr int NQ = FUSED ? 8 : 4;
-    float* red = reinterpret_cast<float*>(smem + (T::PARTS * PS + 15) / 16 * 16);  // after the activations
+    float* red = reinterpret_cast<float*>(smem + act_bytes + (WT == kFP8 ? am_bytes(J.m, K) : 0));
     __syncthreads();
 #pragma unroll
     for (int q = 0; q < 4; ++q) {
@@ -301,10 +295,8 @@ __device__ void tcv_run(const TcvJob& J, int64_t tile_base, char* smem) {
       const int t = 2 * c4 + e;
       if (t >= (ONE ? 1 : J.m)) continue;
       float v = acc[0][2 * h + e];
-      if constexpr (WT == kFP8) v *= tmul[t];
       if constexpr (FUSED) {
         float v3 = acc[NM - 1][2 * h + e];
-        if constexpr (WT == kFP8) v3 *= tmul[t];
         v = silu(v) * v3;
       }
       Y[t * ldy + r] = v;
@@ -356,7 +348,7 @@ constexpr size_t kMaxSmem = 200 * 1024;
 size_t smem_bytes(int32_t t, int64_t K, int m, int ks, bool fused) {
   const int64_t S = t == kFP8 ? row_bytes<kFP8>(K) : row_bytes<kBF16>(K);
   const int parts = t == kFP8 ? Tcv<kFP8>::PARTS : Tcv<kBF16>::PARTS;
-  const size_t act = (size_t(parts) * size_t(m) * size_t(S) + 15) / 16 * 16;
+  const size_t act = (size_t(parts) * size_t(m) * size_t(S) + 15) / 16 * 16 + (t == kFP8 ? am_bytes(m, K) : 0);
   return act + (ks > 1 ? size_t(kTW) * (fused ? 8 : 4) * 32 * sizeof(float) : 0);
 }
 
