@@ -280,10 +280,13 @@ TEST(CudaOps, TensorCoreGemvMatchesRef) {
         HostLinear h1 = make_linear(t, c.out, c.in, uint32_t(c.out + c.in)), h3 = make_linear(t, c.out, c.in, 99);
         const Linear d1 = to_device(*cuda, h1.lin), d3 = to_device(*cuda, h3.lin);
         const DevLinear w1 = dev_linear_of(d1, c.out, c.in), w3 = dev_linear_of(d3, c.out, c.in);
-        // Token rows with a wide range (the e4m3 path scales each token by a power of two).
+        // Token rows with a wide range (the e4m3 path scales each 128-column block of a token by
+        // its own power of two): token 1 large, token 2 small, token 3's blocks alternating
+        // between 3e4 and 1e-3, so a block's multiplier taken from another block shows.
         std::vector<float> x = randn(size_t(m * c.in), uint32_t(m + c.in));
         for (int64_t j = 0; j < m; ++j)
-          for (int64_t k = 0; k < c.in; ++k) x[size_t(j * c.in + k)] *= j == 1 ? 3e4f : (j == 2 ? 1e-4f : 1.f);
+          for (int64_t k = 0; k < c.in; ++k)
+            x[size_t(j * c.in + k)] *= j == 1 ? 3e4f : j == 2 ? 1e-4f : j == 3 ? ((k / 128) % 2 ? 1e-3f : 3e4f) : 1.f;
         std::vector<float> want1(size_t(m * c.out)), want3(want1.size()), wantf(want1.size());
         ref->linear(x.data(), m, h1.lin, want1.data());
         ref->linear(x.data(), m, h3.lin, want3.data());
