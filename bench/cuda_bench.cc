@@ -226,17 +226,18 @@ int main(int argc, char** argv) {
         o.fast = true;
         vars.push_back({"profile-fast", o, false, true, true});
       }
+      auto asked = [&](const std::string& name) { return std::find(only.begin(), only.end(), name) != only.end(); };
       for (int hb : {1, 2})  // dec-hH-sS (asked for only): the decode attention with H heads per block, <= S splits
         for (int cap : {0, 4, 8, 16, 32, 64}) {
           const std::string name = "dec-h" + std::to_string(hb) + "-s" + std::to_string(cap);
-          if (std::find(only.begin(), only.end(), name) == only.end()) continue;
+          if (!asked(name)) continue;
           CudaOptions o = base;
           o.decode_heads = hb, o.decode_splits = cap;
           vars.push_back({name, o, true, false});
         }
       for (int pad : {1, 4, -1, -4}) {  // pad-N (asked for only): N empty kernels per MoE layer (-wide: 2 blocks per SM)
         const std::string name = "pad-" + std::to_string(std::abs(pad)) + (pad < 0 ? "-wide" : "");
-        if (std::find(only.begin(), only.end(), name) == only.end()) continue;
+        if (!asked(name)) continue;
         CudaOptions o = base;
         o.pad_kernels = pad;
         vars.push_back({name, o, true, false});
@@ -250,7 +251,7 @@ int main(int argc, char** argv) {
         }
       if (!only.empty())
         vars.erase(std::remove_if(vars.begin(), vars.end(),
-                                  [&](const Variant& v) { return std::find(only.begin(), only.end(), v.name) == only.end(); }),
+                                  [&](const Variant& v) { return !asked(v.name); }),
                    vars.end());
       for (Variant& v : vars) {
         if (decode_only) v.prefill = false;

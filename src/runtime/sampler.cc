@@ -177,7 +177,7 @@ std::vector<double> Sampler::probabilities(const float* logits, int vocab,
 int32_t Sampler::sample(const float* logits, int vocab, const std::vector<int32_t>& context) {
   if (params_.greedy()) {
     if (params_.penalized()) return argmax(penalized_logits(params_, logits, vocab, context));
-    // No penalties: the checks and the argmax in one pass over the row (no copy of it).
+    // No penalties: the checks and the argmax on the row itself (no copy of it).
     check_logits(logits, vocab);
     return int32_t(std::max_element(logits, logits + vocab) - logits);  // the first of the largest
   }
