@@ -942,6 +942,27 @@ TEST(CudaOps, DeviceGreedyDecodeMatchesHostGreedy) {
   }
 }
 
+// Options out of range are refused with the option's name, before any device is touched (no GPU
+// needed); the defaults pass.
+TEST(CudaOptions, OutOfRangeDecodeOptionsAreRefused) {
+  CudaOptions o;
+  EXPECT_NO_THROW(o.validate());
+  for (int v : {-1, 3}) {
+    o.decode_heads = v;
+    try {
+      o.validate();
+      ADD_FAILURE() << "decode_heads " << v << " accepted";
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find("DSV3_CUDA_DECODE_HEADS"), std::string::npos) << e.what();
+    }
+    EXPECT_THROW(make_cuda_backend(o), Error);
+  }
+  o = CudaOptions();
+  o.decode_splits = -2;
+  EXPECT_THROW(o.validate(), Error);
+  EXPECT_THROW(make_cuda_backend(o), Error);
+}
+
 // The weight upload through two pinned staging buffers: ranges with gaps (alignment padding),
 // pieces larger and smaller than a chunk, a chunk size that divides nothing; out-of-order puts
 // are refused.

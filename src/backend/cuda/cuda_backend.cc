@@ -66,6 +66,15 @@ CudaOptions CudaOptions::from_env() {
   return o;
 }
 
+void CudaOptions::validate() const {
+  if (decode_heads < 0 || decode_heads > 2)
+    fail("CUDA backend: decode_heads (DSV3_CUDA_DECODE_HEADS) must be 0 (by the token count), 1 or 2, got ",
+         decode_heads);
+  if (decode_splits < 0)
+    fail("CUDA backend: decode_splits (DSV3_CUDA_DECODE_SPLITS) must be 0 (by the cache length) or more, got ",
+         decode_splits);
+}
+
 namespace {
 
 using cuda::DevExpert;
@@ -174,6 +183,7 @@ enum Slot {
 class CudaBackend final : public Backend {
  public:
   explicit CudaBackend(const CudaOptions& opt) : opt_(opt) {
+    opt_.validate();
     std::string why;
     if (!cuda::device_available(&why)) fail("CUDA backend: ", why);
     CK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));

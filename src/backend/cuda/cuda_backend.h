@@ -63,6 +63,8 @@ struct CudaOptions {
   // would quantise the activations too), which is what DSV3_CUDA_FP8_DEQUANT=1 asks for; the
   // variable is accepted for that reason.
   static CudaOptions from_env();
+  // Throws Error naming the option (and its variable) when a value is out of range.
+  void validate() const;
 };
 
 std::unique_ptr<Backend> make_cuda_backend(const CudaOptions& opt);
