@@ -260,6 +260,15 @@ DevLinear dev_linear_of(const Linear& l, int64_t rows, int64_t cols) {
   return d;
 }
 
+// Element (r, c) of a host linear with `cols` columns, as the device reads it (e4m3 times its
+// 128x128 block scale).
+double host_w(const HostLinear& h, DType t, int64_t cols, int64_t r, int64_t c) {
+  const size_t e = size_t(r * cols + c);
+  if (t == DType::BF16) return bf16_to_f32(h.bf16[e]);
+  if (t == DType::F32) return h.f32[e];
+  return double(e4m3_to_f32(h.q[e])) * h.scale[size_t((r / 128) * ((cols + 127) / 128) + c / 128)];
+}
+
 TEST(CudaOps, TensorCoreGemvMatchesRef) {
   REQUIRE_GPU();
   auto ref = make_ref_backend();
@@ -578,31 +587,38 @@ TEST(CudaOps, MlpAndMoeMatchRef) {
 
 // A MoE layer whose shapes the tensor-core GEMV takes (K a multiple of 128, FP8 shared slices on
 // scale blocks), built from random host linears: the decode expert paths (FMA or tensor-core
-// GEMVs) against the ref backend.
+// GEMVs) against the ref backend. Shapes: small; the 16B model's (2048 / 1408: 32 and 22 chunks per
+// warp slice); K 4096 (two passes over each warp's slice).
 TEST(CudaOps, MoeDecodePathsMatchRef) {
   REQUIRE_GPU();
   auto ref = make_ref_backend();
-  ModelArgs a;
-  a.dim = 256, a.moe_inter_dim = 128, a.n_routed_experts = 8, a.n_activated_experts = 2, a.n_shared_experts = 2;
-  a.n_layers = 1, a.n_dense_layers = 0;
-  for (DType t : {DType::BF16, DType::F8_E4M3}) {
-    std::vector<HostLinear> keep;
-    keep.reserve(3 * 9 + 1);
-    auto lin = [&](int64_t out, int64_t in) -> Linear {
-      keep.push_back(make_linear(t, out, in, uint32_t(keep.size() * 17 + 3)));
-      return keep.back().lin;
-    };
-    ModelWeights host;
-    host.layers.resize(1);
-    LayerWeights& L = host.layers[0];
-    L.moe = true;
-    for (int e = 0; e < a.n_routed_experts; ++e) L.moe_w.experts.push_back({lin(128, 256), lin(256, 128), lin(128, 256)});
-    L.moe_w.shared_experts = {lin(256, 256), lin(256, 256), lin(256, 256)};
-    L.moe_w.has_shared = true;
-    keep.push_back(make_linear(DType::BF16, a.n_routed_experts, a.dim, 4242));
-    L.moe_w.gate = keep.back().lin.weight;
-    for (int path = 0; path < 3; ++path) {  // 0: default (tensor cores: e4m3, bf16 from 2 tokens), 1: bf16 at 1 too, 2: FMA only
-      {
+  struct Shape {
+    int64_t dim, inter, E, K, S;
+  };
+  for (Shape sh : {Shape{256, 128, 8, 2, 2}, Shape{2048, 1408, 4, 2, 1}, Shape{4096, 384, 4, 2, 2}}) {
+    ModelArgs a;
+    a.dim = sh.dim, a.moe_inter_dim = sh.inter, a.n_routed_experts = sh.E, a.n_activated_experts = sh.K;
+    a.n_shared_experts = sh.S, a.n_layers = 1, a.n_dense_layers = 0;
+    const int64_t D = a.dim, I = a.moe_inter_dim, SI = I * sh.S;
+    for (DType t : {DType::BF16, DType::F8_E4M3, DType::F32}) {
+      if (t == DType::F32 && D > 256) continue;
+      std::vector<HostLinear> keep;
+      keep.reserve(3 * size_t(sh.E + 1) + 1);
+      auto lin = [&](int64_t out, int64_t in) -> Linear {
+        keep.push_back(make_linear(t, out, in, uint32_t(keep.size() * 17 + 3)));
+        return keep.back().lin;
+      };
+      ModelWeights host;
+      host.layers.resize(1);
+      LayerWeights& L = host.layers[0];
+      L.moe = true;
+      for (int e = 0; e < a.n_routed_experts; ++e) L.moe_w.experts.push_back({lin(I, D), lin(D, I), lin(I, D)});
+      L.moe_w.shared_experts = {lin(SI, D), lin(D, SI), lin(SI, D)};
+      L.moe_w.has_shared = true;
+      keep.push_back(make_linear(DType::BF16, a.n_routed_experts, a.dim, 4242));
+      L.moe_w.gate = keep.back().lin.weight;
+      // 0: default (tensor cores: e4m3, bf16 from 2 tokens), 1: bf16 at 1 too, 2: FMA only
+      for (int path = 0; path < 3; ++path) {
         CudaOptions o = opts();
         o.tc_gemv_bf16_min = path == 1 ? 1 : (path == 0 ? 2 : 0);
         if (path == 2) o.tc_gemv_max = 0;
@@ -616,7 +632,7 @@ TEST(CudaOps, MoeDecodePathsMatchRef) {
           Dev xd(*cuda, x), yd(*cuda, x.size());
           cuda->moe(a, dev.layers[0].moe_w, xd.p, n, yd.p);
           EXPECT_LE(rel_l2(yd.get().data(), want.data(), want.size()), 5e-6)
-              << dtype_name(t) << " n=" << n << " path " << path;
+              << dtype_name(t) << " dim " << D << " n=" << n << " path " << path;
         }
       }
     }
@@ -824,12 +840,7 @@ TEST(CudaOps, DecodeQAbsorptionMatchesFloat64) {
     HostLinear h = make_linear(t, rows, C, 61);
     const Linear dl = to_device(*cuda, h.lin);
     const DevLinear w = dev_linear_of(dl, rows, C);
-    auto wval = [&](int64_t r, int64_t c) -> double {
-      const size_t e = size_t(r * C + c);
-      if (t == DType::BF16) return bf16_to_f32(h.bf16[e]);
-      if (t == DType::F32) return h.f32[e];
-      return double(e4m3_to_f32(h.q[e])) * h.scale[size_t((r / 128) * ((C + 127) / 128) + c / 128)];
-    };
+    auto wval = [&](int64_t r, int64_t c) { return host_w(h, t, C, r, c); };
     for (int64_t n : {1, 3, 8}) {
       std::vector<cuda::DevPos> tp;
       for (int64_t i = 0; i < n; ++i) tp.push_back({int32_t(i), int32_t(i % 5)});

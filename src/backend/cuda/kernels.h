@@ -229,7 +229,7 @@ void moe_combine_add_rmsnorm(const Launch& L, const MoeSched& s, const float* o,
 void gate_route(const Launch& L, const DevLinear& gate, const float* x, int64_t n, float* logits, const RouteArgs& r,
                 const float* bias, const MoeSched& s, unsigned* counter);
 
-// ---- MLA (kernels_mla.cu)
+// ---- MLA (kernels_mla.cu; the decode attention, mla_decode_*: kernels_mla_decode.cu)
 struct MlaDims {
   int H = 0, nope = 0, R = 0, C = 0, V = 0;
   int64_t max_len = 0;

@@ -1,0 +1,417 @@
+// The absorbed decode attention (few tokens, MLA.forward's attn_impl "absorb" at decode): one
+// launch per step over the latent and rope caches, split over positions (kernels_mla.cu has the
+// rest of MLA). Every kernel reads the tokens' (slot, pos) from the device, so a recorded step
+// replays with new positions.
+#include <algorithm>
+
+#include "backend/cuda/common.cuh"
+#include "core/error.h"
+
+namespace dsv3::cuda {
+namespace {
+
+constexpr int kMaxJ = 18;  // (kv_lora_rank + rope) / 32 held per lane: up to 576 (as kernels_mla.cu)
+// Absorbed attention of few tokens in one launch (decode): scores against the latent and rope
+// caches, float32 softmax and the weighted latent sum. Block: token i, HB heads, positions
+// [z * chunk, (z + 1) * chunk) in passes of kDecPass with a running max and sum. With several
+// position splits the blocks leave partial sums (part, ml) and the last one to finish for
+// (i, head block), by an atomic count, combines them: no second launch. The chunk follows the
+// token's length on the device (a recorded step replays at any position): the length over the
+// launch's splits, rounded up to whole kDecMinChunk (a block's round of score rows), so short
+// caches spread over several blocks with one short chain of loads each.
+constexpr int kDecPass = 128, kDecCols = 2;  // positions per pass; latent columns per thread (C <= 512)
+constexpr int kDecMaxSplits = kDecPass;      // the split factors reuse the score buffer
+constexpr int kDecMinChunk = 16;
+
+__device__ __forceinline__ int64_t dec_chunk(int64_t len, int64_t nsplit) {
+  const int64_t c = (len + nsplit - 1) / nsplit;
+  return (c + kDecMinChunk - 1) / kDecMinChunk * kDecMinChunk;
+}
+
+// Token i's absorbed query and rope query of heads [h0, h0 + hb) into qs [HB][C + R] (zeros for
+// heads past hb); the caller's barrier follows.
+template <int HB>
+__device__ __forceinline__ void stage_query(const MlaDims& d, const float* __restrict__ qa, const float* __restrict__ q,
+                                            int64_t i, int h0, int hb, float* qs) {
+  const int CR = d.C + d.R;
+  for (int e = threadIdx.x; e < HB * CR; e += blockDim.x) {
+    const int h = e / CR, j = e % CR;
+    const int64_t ih = i * d.H + h0 + h;
+    qs[e] = h >= hb ? 0.f : (j < d.C ? qa[ih * d.C + j] : q[ih * d.qk() + d.nope + (j - d.C)]);
+  }
+}
+
+// The lane's share of two cache rows' dot products with one head's query (columns lane + 32 m).
+__device__ __forceinline__ void row_dots(const float* kr, const float* kq, const float* qh, int CR, int lane, float& a,
+                                         float& b) {
+  a = 0.f, b = 0.f;
+#pragma unroll
+  for (int m = 0; m < kMaxJ; ++m) {
+    const int j = lane + 32 * m;
+    if (j < CR) a = fmaf(kr[m], qh[j], a), b = fmaf(kq[m], qh[j], b);
+  }
+}
+
+// After a split's block of the decode attention has written its partial sums (part, ml): the
+// last of the token's ns splits for this head block (an atomic count) combines them into ol, each
+// split's factor exp(m_z - M) once in shared memory (fz: [hb][kDecMaxSplits]; lsum: [hb]), then
+// the partial sums with loads in flight; it leaves the counter zeroed for the next launch.
+__device__ void combine_splits(const MlaDims& d, int64_t n, int64_t i, int h0, int hb, int ns,
+                               const float* __restrict__ part, const float* __restrict__ ml, unsigned* counters,
+                               float* __restrict__ ol, float* fz, float* lsum) {
+  __shared__ bool last;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  __threadfence();
+  __syncthreads();
+  if (threadIdx.x == 0) last = atomicAdd(&counters[blockIdx.x], 1u) == unsigned(ns - 1);
+  __syncthreads();
+  if (!last) return;
+  __threadfence();
+  if (warp < hb) {
+    const int64_t ih = i * d.H + h0 + warp;
+    float M = -INFINITY;
+    for (int zz = lane; zz < ns; zz += 32) M = fmaxf(M, __ldcg(ml + (zz * n * d.H + ih) * 2));
+    M = warp_max(M);
+    float Ls = 0.f;
+    for (int zz = lane; zz < ns; zz += 32) {
+      const float f = expf(__ldcg(ml + (zz * n * d.H + ih) * 2) - M);
+      fz[warp * kDecMaxSplits + zz] = f;
+      Ls += __ldcg(ml + (zz * n * d.H + ih) * 2 + 1) * f;
+    }
+    Ls = warp_sum(Ls);
+    if (lane == 0) lsum[warp] = Ls;
+  }
+  __syncthreads();
+  for (int h = 0; h < hb; ++h) {
+    const int64_t ih = i * d.H + h0 + h;
+    for (int col = threadIdx.x; col < d.C; col += blockDim.x) {
+      float sum = 0.f;
+#pragma unroll 4
+      for (int zz = 0; zz < ns; ++zz) sum += __ldcg(part + (zz * n * d.H + ih) * d.C + col) * fz[h * kDecMaxSplits + zz];
+      ol[ih * d.C + col] = sum / lsum[h];
+    }
+  }
+  if (threadIdx.x == 0) counters[blockIdx.x] = 0;  // ready for the next launch
+}
+
+template <int HB>
+__global__ void __launch_bounds__(256) decode_attn_kernel(MlaDims d, const DevPos* __restrict__ pos, int64_t n,
+                                                          const float* __restrict__ qa, const float* __restrict__ q,
+                                                          const float* __restrict__ ckv, const float* __restrict__ cpe,
+                                                          float* __restrict__ part,
+                                                          float* __restrict__ ml, unsigned* __restrict__ counters,
+                                                          float* __restrict__ ol) {
+  extern __shared__ float dsm[];  // q [HB][C + R], p [HB][kDecPass]
+  __shared__ float m_run[HB], l_run[HB], alpha[HB];
+  pdl_wait();
+  pdl_trigger();
+  const int nhb = (d.H + HB - 1) / HB, CR = d.C + d.R;
+  const int64_t i = blockIdx.x / nhb;
+  const int h0 = int(blockIdx.x % nhb) * HB, hb = min(HB, d.H - h0);
+  const DevPos p = pos[i];
+  const int64_t len = int64_t(p.pos) + 1, chunk = dec_chunk(len, gridDim.z);
+  const int64_t ts = int64_t(blockIdx.z) * chunk, te = min(len, ts + chunk);
+  if (ts >= len) return;  // not one of this token's splits
+  const int ns = int((len + chunk - 1) / chunk);
+  float* qs = dsm;
+  float* ps = dsm + HB * CR;
+  stage_query<HB>(d, qa, q, i, h0, hb, qs);
+  if (threadIdx.x < HB) m_run[threadIdx.x] = -INFINITY, l_run[threadIdx.x] = 0.f;
+  __syncthreads();
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int64_t row0 = int64_t(p.slot) * d.max_len;
+  float acc[HB][kDecCols];
+#pragma unroll
+  for (int h = 0; h < HB; ++h)
+#pragma unroll
+    for (int c = 0; c < kDecCols; ++c) acc[h][c] = 0.f;
+  for (int64_t t0 = ts; t0 < te; t0 += kDecPass) {
+    const int tn = int(te - t0 < kDecPass ? te - t0 : kDecPass);
+    // Scores: a warp takes positions tt and tt + 8, both cache rows in registers (their loads in
+    // flight together: at short contexts this loop is a chain of round trips).
+    for (int tt = warp; tt < tn; tt += 16) {
+      const bool two = tt + 8 < tn;
+      const int64_t rp = row0 + t0 + tt, rq = rp + 8;
+      float kr[kMaxJ], kq[kMaxJ];
+#pragma unroll
+      for (int m = 0; m < kMaxJ; ++m) {
+        const int j = lane + 32 * m;
+        kr[m] = j < d.C ? ckv[rp * d.C + j] : (j < CR ? cpe[rp * d.R + (j - d.C)] : 0.f);
+        kq[m] = !two ? 0.f : (j < d.C ? ckv[rq * d.C + j] : (j < CR ? cpe[rq * d.R + (j - d.C)] : 0.f));
+      }
+#pragma unroll
+      for (int h = 0; h < HB; ++h) {
+        float sh, sq;
+        row_dots(kr, kq, qs + h * CR, CR, lane, sh, sq);
+        sh = warp_sum(sh);
+        sq = warp_sum(sq);
+        if (lane == 0) {
+          ps[h * kDecPass + tt] = sh * d.scale;
+          if (two) ps[h * kDecPass + tt + 8] = sq * d.scale;
+        }
+      }
+    }
+    __syncthreads();
+    if (warp < hb) {  // running softmax of head `warp`; ps becomes exp(s - m)
+      float* pr = ps + warp * kDecPass;
+      float mx = -INFINITY;
+      for (int tt = lane; tt < tn; tt += 32) mx = fmaxf(mx, pr[tt]);
+      mx = warp_max(mx);
+      const float mo = m_run[warp], mn = fmaxf(mo, mx);
+      float l = 0.f;
+      for (int tt = lane; tt < tn; tt += 32) {
+        const float e = expf(pr[tt] - mn);
+        pr[tt] = e;
+        l += e;
+      }
+      l = warp_sum(l);
+      if (lane == 0) {
+        const float a = expf(mo - mn);  // 0 on the first pass
+        alpha[warp] = a, l_run[warp] = l_run[warp] * a + l, m_run[warp] = mn;
+      }
+    }
+    __syncthreads();
+#pragma unroll
+    for (int c = 0; c < kDecCols; ++c) {
+      const int col = int(threadIdx.x) + 256 * c;
+      if (col >= d.C) continue;
+#pragma unroll
+      for (int h = 0; h < HB; ++h) acc[h][c] *= h < hb ? alpha[h] : 0.f;
+      const float* kvp = ckv + (row0 + t0) * d.C + col;
+      int tt = 0;
+      for (; tt + 8 <= tn; tt += 8) {  // eight cache rows' loads in flight
+        float w[8];
+#pragma unroll
+        for (int u = 0; u < 8; ++u) w[u] = kvp[int64_t(tt + u) * d.C];
+#pragma unroll
+        for (int h = 0; h < HB; ++h) {
+          const float* pr = ps + h * kDecPass + tt;
+          float a = acc[h][c];
+#pragma unroll
+          for (int u = 0; u < 8; ++u) a = fmaf(pr[u], w[u], a);
+          acc[h][c] = a;
+        }
+      }
+      for (; tt < tn; ++tt) {
+        const float w = kvp[int64_t(tt) * d.C];
+#pragma unroll
+        for (int h = 0; h < HB; ++h) acc[h][c] = fmaf(ps[h * kDecPass + tt], w, acc[h][c]);
+      }
+    }
+    __syncthreads();  // ps is rewritten by the next pass
+  }
+  if (ns == 1) {
+#pragma unroll
+    for (int c = 0; c < kDecCols; ++c) {
+      const int col = int(threadIdx.x) + 256 * c;
+      if (col >= d.C) continue;
+      for (int h = 0; h < hb; ++h) ol[(i * d.H + h0 + h) * d.C + col] = acc[h][c] / l_run[h];
+    }
+    return;
+  }
+  const int64_t z = blockIdx.z;
+#pragma unroll
+  for (int c = 0; c < kDecCols; ++c) {
+    const int col = int(threadIdx.x) + 256 * c;
+    if (col >= d.C) continue;
+    for (int h = 0; h < hb; ++h) part[(z * n * d.H + i * d.H + h0 + h) * d.C + col] = acc[h][c];
+  }
+  if (threadIdx.x < hb) {
+    const int64_t ih = i * d.H + h0 + threadIdx.x;
+    ml[(z * n * d.H + ih) * 2] = m_run[threadIdx.x], ml[(z * n * d.H + ih) * 2 + 1] = l_run[threadIdx.x];
+  }
+  combine_splits(d, n, i, h0, hb, ns, part, ml, counters, ol, ps, l_run);
+}
+
+// A block's rows [ts, te) of token i's cache (decode, split z of the launch's gridDim.z) and
+// their fold into the warps' running softmax states: warp w takes the positions w, w + 8, ...
+// two at a time, keeps a running max, sum and latent-weighted sum per head in registers (its
+// lanes' columns) and leaves them in shared memory for the block's merge (dec_merge). One token
+// (preload): the cache rows before its own position were written by earlier steps, so a warp's
+// first two go out before the wait.
+template <int HB>
+struct DecRows {
+  const MlaDims& d;
+  const float* __restrict__ ckv;
+  const float* __restrict__ cpe;
+  int64_t len, chunk, ts, te, row0;
+  int warp, lane, CR;
+  bool pre = false;
+  float kr[kMaxJ], kq[kMaxJ];
+  __device__ DecRows(const MlaDims& d_, DevPos p, const float* ckv_, const float* cpe_)
+      : d(d_), ckv(ckv_), cpe(cpe_), warp(int(threadIdx.x >> 5)), lane(int(threadIdx.x & 31)), CR(d_.C + d_.R) {
+    len = int64_t(p.pos) + 1, chunk = dec_chunk(len, gridDim.z);
+    ts = int64_t(blockIdx.z) * chunk, te = min(len, ts + chunk);
+    row0 = int64_t(p.slot) * d.max_len;
+  }
+  __device__ int splits() const { return int((len + chunk - 1) / chunk); }  // of this token's length
+  __device__ void load_row(int64_t t, float* k) const {
+#pragma unroll
+    for (int m = 0; m < kMaxJ; ++m) {
+      const int j = lane + 32 * m;
+      k[m] = j < d.C ? ckv[(row0 + t) * d.C + j] : (j < CR ? cpe[(row0 + t) * d.R + (j - d.C)] : 0.f);
+    }
+  }
+  __device__ void preload() {
+    const int64_t t = ts + warp;
+    if (t + 8 < len - 1 && t < te) {  // both of the first rows written by earlier steps
+      load_row(t, kr);
+      if (t + 8 < te) load_row(t + 8, kq);
+      pre = true;
+    }
+  }
+  // qs [HB][C + R]: the staged queries. Writes ws [8][HB][C], wm / wl [8][HB]; the caller syncs.
+  __device__ void fold(const float* qs, float* ws, float (*wm)[HB], float (*wl)[HB]) {
+    float mx[HB], l[HB], acc[HB][kMaxJ];
+#pragma unroll
+    for (int h = 0; h < HB; ++h) {
+      mx[h] = -INFINITY, l[h] = 0.f;
+#pragma unroll
+      for (int m = 0; m < kMaxJ; ++m) acc[h][m] = 0.f;
+    }
+    for (int64_t t = ts + warp; t < te; t += 16) {
+      const bool two = t + 8 < te;
+      if (!pre) {
+        load_row(t, kr);
+        if (two) load_row(t + 8, kq);
+      }
+      pre = false;
+#pragma unroll
+      for (int h = 0; h < HB; ++h) {
+        float sa, sb;
+        row_dots(kr, kq, qs + h * CR, CR, lane, sa, sb);
+        sa = warp_sum(sa) * d.scale;
+        sb = two ? warp_sum(sb) * d.scale : -INFINITY;
+        const float mn = fmaxf(mx[h], fmaxf(sa, sb));
+        const float f = expf(mx[h] - mn), pa = expf(sa - mn), pb = two ? expf(sb - mn) : 0.f;
+        l[h] = l[h] * f + pa + pb;
+        mx[h] = mn;
+#pragma unroll
+        for (int m = 0; m < kMaxJ; ++m) acc[h][m] = acc[h][m] * f + pa * kr[m] + pb * (two ? kq[m] : 0.f);
+      }
+    }
+#pragma unroll
+    for (int h = 0; h < HB; ++h) {
+#pragma unroll
+      for (int m = 0; m < kMaxJ; ++m) {
+        const int j = lane + 32 * m;
+        if (j < d.C) ws[(warp * HB + h) * d.C + j] = acc[h][m];
+      }
+      if (lane == 0) wm[warp][h] = mx[h], wl[warp][h] = l[h];
+    }
+  }
+};
+
+// The block's max M and sum L for head h from its warps' states, and each warp's factor fw[w]
+// (a warp without rows has max -inf, sum 0: factor 0).
+template <int HB>
+__device__ __forceinline__ float dec_merge(const float (*wm)[HB], const float (*wl)[HB], int h, float* fw, float& L) {
+  float M = -INFINITY;
+#pragma unroll
+  for (int w = 0; w < 8; ++w) M = fmaxf(M, wm[w][h]);
+  L = 0.f;
+#pragma unroll
+  for (int w = 0; w < 8; ++w) fw[w] = expf(wm[w][h] - M), L += wl[w][h] * fw[w];
+  return M;
+}
+
+// The same attention with each warp's rows folded in as they arrive (decode steps; DecRows): one
+// round of cache loads per 16 positions instead of a score pass, a softmax pass and a value pass
+// over shared scores, the 8 warps merged in shared memory, several splits combined by the last.
+template <int HB, bool PRE>
+__global__ void __launch_bounds__(256) decode_attn_warps_kernel(MlaDims d, const DevPos* __restrict__ pos, int64_t n,
+                                                                const float* __restrict__ qa,
+                                                                const float* __restrict__ q,
+                                                                const float* __restrict__ ckv,
+                                                                const float* __restrict__ cpe,
+                                                                float* __restrict__ part, float* __restrict__ ml,
+                                                                unsigned* __restrict__ counters,
+                                                                float* __restrict__ ol) {
+  extern __shared__ float dsm[];  // q [HB][C + R], the warps' sums [8][HB][C], split factors [HB][kDecMaxSplits]
+  __shared__ float wm[8][HB], wl[8][HB], lsum[HB];
+  const int nhb = (d.H + HB - 1) / HB, CR = d.C + d.R;
+  const int64_t i = blockIdx.x / nhb;
+  const int h0 = int(blockIdx.x % nhb) * HB, hb = min(HB, d.H - h0);
+  // (pos: the step's metadata, copied before the step's first kernel)
+  DecRows<HB> R(d, pos[i], ckv, cpe);
+  float* qs = dsm;
+  float* ws = dsm + HB * CR;
+  float* fz = ws + 8 * HB * d.C;
+  if (PRE) R.preload();
+  pdl_wait();
+  if (R.ts >= R.len) return;  // not one of this token's splits
+  const int ns = R.splits();
+  stage_query<HB>(d, qa, q, i, h0, hb, qs);
+  __syncthreads();
+  R.fold(qs, ws, wm, wl);
+  __syncthreads();
+  const int64_t z = blockIdx.z;
+  for (int h = 0; h < hb; ++h) {
+    float fw[8], L;
+    const float M = dec_merge<HB>(wm, wl, h, fw, L);
+    const int64_t ih = i * d.H + h0 + h;
+    for (int col = threadIdx.x; col < d.C; col += blockDim.x) {
+      float o = 0.f;
+#pragma unroll
+      for (int w = 0; w < 8; ++w) o += ws[(w * HB + h) * d.C + col] * fw[w];
+      if (ns == 1) ol[ih * d.C + col] = o / L;
+      else part[(z * n * d.H + ih) * d.C + col] = o;
+    }
+    if (ns > 1 && threadIdx.x == 0) ml[(z * n * d.H + ih) * 2] = M, ml[(z * n * d.H + ih) * 2 + 1] = L;
+  }
+  if (ns == 1) return;
+  combine_splits(d, n, i, h0, hb, ns, part, ml, counters, ol, fz, lsum);
+}
+
+}  // namespace
+
+int mla_decode_heads(int64_t n) { return n == 1 ? 1 : 2; }
+
+int mla_decode_splits(const MlaDims& d, int64_t n, int cap, int hb) {
+  // As many splits as keep the blocks few (at most 512, 256 for one token: bounded partials and
+  // a short combine), no more than the combining block's factor table holds or the cache has
+  // chunks of kDecMinChunk (nor `cap`). On the H200 at one token, one head per block: 16 splits
+  // against 32 are even at 80 positions, +7% at 1024 and at 4096 (tok/s of the whole step).
+  const int64_t blocks = n * ((d.H + hb - 1) / hb), by_len = (d.max_len + kDecMinChunk - 1) / kDecMinChunk;
+  const int64_t budget = n == 1 ? 256 : 512;
+  int64_t s = std::min<int64_t>({by_len, budget / std::max<int64_t>(blocks, 1), kDecMaxSplits});
+  if (cap > 0) s = std::min<int64_t>(s, cap);
+  return int(std::max<int64_t>(1, s));
+}
+
+bool mla_decode_ok(const MlaDims& d, int64_t n, int64_t counters, int hb) {
+  static_assert(kDecMaxSplits <= kDecPass, "split factors live in the score buffer");
+  return d.C <= 256 * kDecCols && d.C + d.R <= 32 * kMaxJ && n * ((d.H + hb - 1) / hb) <= counters &&
+         (hb == 1 || hb == 2);
+}
+
+namespace {
+template <int HB>
+void launch_decode_attn(const Launch& L, const MlaDims& d, const DevPos* pos, int64_t n, const float* qa,
+                        const float* q, const float* cache_kv, const float* cache_pe, int nsplit, float* part,
+                        float* ml, unsigned* counters, float* ol, bool warps) {
+  const dim3 grid(unsigned(n * cdiv(d.H, HB)), 1, unsigned(nsplit));
+  if (warps) {
+    const size_t smem = sizeof(float) * size_t(HB) * size_t(d.C + d.R + 8 * d.C + kDecMaxSplits);
+    // (38.4 KB at C 512 and two heads: within the default 48 KB; mla_decode_ok caps C at 512)
+    if (n == 1) launch(L, decode_attn_warps_kernel<HB, true>, grid, dim3(256), smem, d, pos, n, qa, q, cache_kv, cache_pe,
+                       part, ml, counters, ol);
+    else launch(L, decode_attn_warps_kernel<HB, false>, grid, dim3(256), smem, d, pos, n, qa, q, cache_kv, cache_pe,
+                part, ml, counters, ol);
+    return;
+  }
+  const size_t smem = sizeof(float) * size_t(HB) * size_t(d.C + d.R + kDecPass);
+  launch(L, decode_attn_kernel<HB>, grid, dim3(256), smem, d, pos, n, qa, q, cache_kv, cache_pe, part, ml, counters, ol);
+}
+}  // namespace
+
+void mla_decode_attn(const Launch& L, const MlaDims& d, const DevPos* pos, int64_t n, const float* qa, const float* q,
+                     const float* cache_kv, const float* cache_pe, int nsplit, float* part, float* ml,
+                     unsigned* counters, float* ol, bool warps, int hb) {
+  DSV3_CHECK(nsplit >= 1 && nsplit <= kDecMaxSplits, "mla_decode_attn: ", nsplit, " position splits");
+  DSV3_CHECK(hb == 1 || hb == 2, "mla_decode_attn: ", hb, " heads per block");
+  if (hb == 1) launch_decode_attn<1>(L, d, pos, n, qa, q, cache_kv, cache_pe, nsplit, part, ml, counters, ol, warps);
+  else launch_decode_attn<2>(L, d, pos, n, qa, q, cache_kv, cache_pe, nsplit, part, ml, counters, ol, warps);
+}
+
+}  // namespace dsv3::cuda
