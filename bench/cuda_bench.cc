@@ -308,26 +308,41 @@ int main(int argc, char** argv) {
           }
         }
         if (generate && v.decode && !prefill_only) {
-          // Generator::run end to end, greedy: the argmax on the device (only ids come back) or
-          // the logits downloaded and sampled on the host. Decode tokens/s from its own stats.
+          // Generator::run end to end: greedy, temperature 0.8 alone, with top-k 50, with top-p
+          // 0.9; drawn on the device (only ids come back; a row it leaves to the host comes back
+          // as logits) or the logits downloaded and sampled on the host. Decode tokens/s from
+          // its own stats. (Random weights give flat distributions: top-p 0.9 keeps far more
+          // than the 1024 tokens the device sorts, so those rows go to the host.)
+          struct Mode {
+            const char* name;
+            float t, p;
+            int k;
+          };
+          for (const Mode& md : {Mode{"greedy", 0.f, 1.f, 0}, Mode{"t0.8", 0.8f, 1.f, 0}, Mode{"t0.8-k50", 0.8f, 1.f, 50},
+                                 Mode{"t0.8-p0.9", 0.8f, 0.9f, 0}})
           for (int B : batches) {
+            std::vector<GenerateRequest> reqs(static_cast<size_t>(B));
+            for (size_t q = 0; q < reqs.size(); ++q) {
+              GenerateRequest& r = reqs[q];
+              r.prompt.resize(size_t(ctx));
+              for (auto& t : r.prompt) t = tokd(rng);
+              r.max_new_tokens = steps;
+              r.sampling.temperature = md.t, r.sampling.top_p = md.p, r.sampling.top_k = md.k;
+              r.sampling.seed = 7 + q;
+            }
+            std::vector<std::vector<int32_t>> toks[2];
             for (int dev = 1; dev >= 0; --dev) {
-              std::vector<GenerateRequest> reqs(static_cast<size_t>(B));
-              for (auto& r : reqs) {
-                r.prompt.resize(size_t(ctx));
-                for (auto& t : r.prompt) t = tokd(rng);
-                r.max_new_tokens = steps;
-              }
               Generator gen(model, -1);
-              gen.set_device_greedy(dev == 1);
+              gen.set_device_sampling(dev == 1);
               gen.run(reqs);  // warm (graphs recorded)
               Generator g2(model, -1);
-              g2.set_device_greedy(dev == 1);
-              g2.run(reqs);
+              g2.set_device_sampling(dev == 1);
+              for (auto& res : g2.run(reqs)) toks[dev].push_back(res.tokens);
               const GenerateStats& gs = g2.stats();
-              std::printf("%-5s generate b%d  %-14s %9.1f tok/s decode (%lld tokens in %.3f s, greedy)\n", dt.c_str(), B,
-                          dev ? "device-argmax" : "host-sampler", double(gs.generated_tokens) / gs.decode_s,
-                          (long long)gs.generated_tokens, gs.decode_s);
+              std::printf("%-5s generate b%d  %-14s %9.1f tok/s decode (%lld tokens in %.3f s, %s)%s\n", dt.c_str(), B,
+                          dev ? "device-sampler" : "host-sampler", double(gs.generated_tokens) / gs.decode_s,
+                          (long long)gs.generated_tokens, gs.decode_s, md.name,
+                          dev ? "" : (toks[0] == toks[1] ? ", the same tokens" : ", OTHER TOKENS than the device"));
             }
           }
         }

@@ -927,29 +927,137 @@ TEST(CudaOps, ArgmaxRowsMatchesTheHostSampler) {
   EXPECT_THROW(cuda->argmax_rows(nd.p, 1, cols, cols, &id), Error);
 }
 
-// The generator's greedy decode with the argmax on the device matches the host sampler's path on
-// the same backend (same logits): token for token, batched, with a vocabulary limit.
-TEST(CudaOps, DeviceGreedyDecodeMatchesHostGreedy) {
+// Backend::sample_rows against the host sampler's sample_at with the same u, over 102400-token
+// rows: greedy, temperature alone, top-k (with ties at the boundary), top-p, min-p and their
+// mixes, masked tokens, a vocabulary limit; rows the device leaves to the host (a top-p prefix
+// past the 1024 it sorts, top_k above 1024, `host`) come back as logits; NaN / all -inf refused.
+TEST(CudaOps, SampleRowsMatchTheHostSampler) {
   REQUIRE_GPU();
+  auto cuda = make_cuda_backend(opts());
+  const int64_t cols = 102400;
+  struct Case {
+    float t, p, minp;
+    int k;
+    int row;     // 0 peaked (randn * 3), 1 flat (randn * 0.1), 2 ties at 5.0 around the top 50, 3 every third -inf
+    bool host;   // the device is expected to leave it to the host
+    bool flag = false;
+  };
+  const std::vector<Case> cases = {
+      {0.f, 1.f, 0.f, 0, 0, false},      {1.f, 1.f, 0.f, 0, 0, false},     {0.7f, 1.f, 0.f, 0, 3, false},
+      {0.7f, 1.f, 0.f, 1, 0, false},     {0.8f, 1.f, 0.f, 40, 0, false},   {1.f, 1.f, 0.f, 1024, 1, false},
+      {1.f, 1.f, 0.f, 1500, 0, true},    {0.7f, 0.9f, 0.f, 0, 0, false},   {0.7f, 0.5f, 0.f, 0, 3, false},
+      {1.f, 1.f, 0.1f, 0, 0, false},     {0.8f, 0.8f, 0.f, 50, 0, false},  {0.9f, 1.f, 0.05f, 50, 2, false},
+      {1.f, 1.f, 0.f, 50, 2, false},     {1.f, 0.99f, 0.f, 0, 1, true},    {0.7f, 0.9f, 0.f, 0, 0, true, true},
+      {2.f, 1.f, 0.f, 0, 1, false}};
+  const int64_t rows = int64_t(cases.size());
+  std::vector<float> x(size_t(rows * cols));
+  for (int64_t r = 0; r < rows; ++r) {
+    const Case& c = cases[size_t(r)];
+    std::vector<float> v = randn(size_t(cols), uint32_t(90 + r), c.row == 1 ? 0.1f : 3.f);
+    if (c.row == 2)
+      for (int64_t j = 0; j < 60; ++j) v[size_t(j * 1601 + 3)] = 5.f * 3.f;  // 60 equal logits, above the rest
+    if (c.row == 3)
+      for (int64_t j = 0; j < cols; j += 3) v[size_t(j)] = -INFINITY;
+    std::copy(v.begin(), v.end(), x.begin() + r * cols);
+  }
+  Dev xd(*cuda, x);
+  Rng rng(5);
+  for (int64_t limit : {cols, cols - 100}) {
+    for (int trial = 0; trial < 6; ++trial) {
+      std::vector<Backend::SampleSpec> spec(static_cast<size_t>(rows));
+      for (int64_t r = 0; r < rows; ++r) {
+        const Case& c = cases[size_t(r)];
+        spec[size_t(r)].temperature = c.t, spec[size_t(r)].top_p = c.p, spec[size_t(r)].min_p = c.minp;
+        spec[size_t(r)].top_k = c.k, spec[size_t(r)].host = c.flag;
+        spec[size_t(r)].u = trial == 0 ? 0.0 : (trial == 1 ? 0.9999999 : rng.uniform());
+      }
+      std::vector<int32_t> ids(static_cast<size_t>(rows), -7);
+      std::vector<float> back(x.size(), std::nanf(""));
+      ASSERT_TRUE(cuda->sample_rows(xd.p, rows, cols, limit, spec.data(), ids.data(), back.data()));
+      for (int64_t r = 0; r < rows; ++r) {
+        const Case& c = cases[size_t(r)];
+        SamplingParams sp;
+        sp.temperature = c.t, sp.top_p = c.p, sp.min_p = c.minp, sp.top_k = c.k;
+        const Sampler host(sp);
+        const float* row = &x[size_t(r * cols)];
+        const int32_t want = host.sample_at(row, int(limit), {}, spec[size_t(r)].u);
+        const std::string what = "row " + std::to_string(r) + " limit " + std::to_string(limit) + " trial " +
+                                 std::to_string(trial);
+        if (c.host) {
+          EXPECT_EQ(ids[size_t(r)], -1) << what << ": expected to be left to the host";
+          if (ids[size_t(r)] == -1) {
+            EXPECT_TRUE(std::equal(row, row + cols, back.begin() + r * cols)) << what << ": logits not copied back";
+          }
+        } else {
+          EXPECT_EQ(ids[size_t(r)], want) << what;
+        }
+      }
+    }
+  }
+  for (float bad : {std::nanf(""), INFINITY}) {
+    std::vector<float> y(x.begin(), x.begin() + cols);
+    y[123] = bad;
+    Dev yd(*cuda, y);
+    Backend::SampleSpec sp;
+    sp.temperature = 1.f;
+    int32_t id = 0;
+    std::vector<float> back(static_cast<size_t>(cols));
+    try {
+      cuda->sample_rows(yd.p, 1, cols, cols, &sp, &id, back.data());
+      ADD_FAILURE() << "no error for a logit of " << bad;
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find("logit of token 123"), std::string::npos) << e.what();
+    }
+  }
+  std::vector<float> ninf(size_t(cols), -INFINITY);
+  Dev nd(*cuda, ninf);
+  Backend::SampleSpec sp;
+  sp.temperature = 1.f;
+  int32_t id = 0;
+  std::vector<float> back(static_cast<size_t>(cols));
+  EXPECT_THROW(cuda->sample_rows(nd.p, 1, cols, cols, &sp, &id, back.data()), Error);
+}
+
+// The generator drawing on the device (argmax_rows, sample_rows) matches the host sampler's path
+// on the same backend (same logits, same seeds): token for token, batched, with a vocabulary
+// limit; greedy, temperature, top-k, top-p, min-p, and a step mixing them with a penalised
+// request (that row sampled on the host).
+TEST(CudaOps, DeviceSamplingMatchesHostSampling) {
+  REQUIRE_GPU();
+  auto sp = [](float t, int k, float p, float minp, float rep) {
+    SamplingParams s;
+    s.temperature = t, s.top_k = k, s.top_p = p, s.min_p = minp, s.repetition_penalty = rep;
+    return s;
+  };
+  const std::vector<std::vector<SamplingParams>> sets = {
+      {sp(0.f, 0, 1.f, 0.f, 1.f)},
+      {sp(0.8f, 0, 1.f, 0.f, 1.f)},
+      {sp(0.8f, 20, 1.f, 0.f, 1.f), sp(1.f, 20, 0.9f, 0.f, 1.f)},
+      {sp(0.9f, 0, 0.9f, 0.f, 1.f), sp(1.f, 0, 1.f, 0.1f, 1.f)},
+      {sp(0.f, 0, 1.f, 0.f, 1.f), sp(0.8f, 0, 0.95f, 0.f, 1.f), sp(0.8f, 0, 1.f, 0.f, 1.3f)}};
   for (std::string c : {"v2lite_bf16", "v3_fp8"}) {
     ModelOptions mo;
     mo.max_slots = 3;
     Model m(Checkpoint::open(case_dir(c) + "/hf"), make_cuda_backend(opts()), mo);
-    std::vector<GenerateRequest> reqs(3);
-    for (size_t i = 0; i < reqs.size(); ++i) {
-      reqs[i].prompt = {int32_t(5 + i), 6, int32_t(7 + 2 * i)};
-      reqs[i].max_new_tokens = 12 + int(i);
+    for (size_t set = 0; set < sets.size(); ++set) {
+      std::vector<GenerateRequest> reqs(3);
+      for (size_t i = 0; i < reqs.size(); ++i) {
+        reqs[i].prompt = {int32_t(5 + i), 6, int32_t(7 + 2 * i)};
+        reqs[i].max_new_tokens = 12 + int(i);
+        reqs[i].sampling = sets[set][i % sets[set].size()];
+        reqs[i].sampling.seed = 11 + i;
+      }
+      std::vector<std::vector<int32_t>> out[2];
+      for (int dev = 0; dev < 2; ++dev) {
+        Generator gen(m, -1);
+        gen.set_vocab_limit(300);
+        gen.set_device_sampling(dev == 1);
+        for (auto& r : gen.run(reqs)) out[dev].push_back(r.tokens);
+      }
+      EXPECT_EQ(out[0], out[1]) << c << " parameter set " << set;
+      for (auto& t : out[1])
+        for (int32_t id : t) EXPECT_LT(id, 300) << c;
     }
-    std::vector<std::vector<int32_t>> out[2];
-    for (int dev = 0; dev < 2; ++dev) {
-      Generator gen(m, -1);
-      gen.set_vocab_limit(300);
-      gen.set_device_greedy(dev == 1);
-      for (auto& r : gen.run(reqs)) out[dev].push_back(r.tokens);
-    }
-    EXPECT_EQ(out[0], out[1]) << c;
-    for (auto& t : out[1])
-      for (int32_t id : t) EXPECT_LT(id, 300) << c;
   }
 }
 

@@ -474,6 +474,25 @@ TEST(Sampler, SameSeedSameDrawsDifferentSeedDifferentDraws) {
   EXPECT_EQ(first, draws(42));
 }
 
+// sample() in halves (what a backend sampling where the logits live uses): draw_uniform() then
+// sample_at() with that u gives sample()'s draws and leaves the RNG where sample() does; greedy
+// sampling draws nothing.
+TEST(Sampler, DrawUniformThenSampleAtIsSample) {
+  std::vector<float> l = {0.f, 0.1f, -0.2f, 0.3f, 0.05f, -0.1f, 0.2f, 0.f};
+  SamplingParams p = params(0.7f, 9);
+  p.top_k = 5, p.top_p = 0.9f;
+  Sampler whole(p), halves(p);
+  for (int i = 0; i < 500; ++i) {
+    const double u = halves.draw_uniform();
+    ASSERT_GE(u, 0.0);
+    ASSERT_LT(u, 1.0);
+    EXPECT_EQ(halves.sample_at(l.data(), 8, {}, u), whole.sample(l.data(), 8, {})) << "draw " << i;
+  }
+  Sampler g(params(0.f, 9));
+  EXPECT_LT(g.draw_uniform(), 0.0);
+  EXPECT_EQ(g.sample_at(l.data(), 8, {}, -1.0), 3);
+}
+
 TEST(Sampler, RngIsUniform) {
   // 64 equal bins of uniform(): chi-square with 63 degrees of freedom; plus range and the mean.
   Rng r(12345);

@@ -95,6 +95,23 @@ class Backend {
   // naming it). false: not offered here, nothing done (the caller downloads the logits).
   virtual bool argmax_rows(const float* x, int64_t rows, int64_t cols, int64_t limit, int32_t* ids) { return false; }
 
+  // Sampling where the logits live, one SampleSpec per row (a draw of runtime/sampler.h without
+  // penalties: temperature 0 is the argmax; else temperature, top-k, top-p, min-p and the draw at
+  // the uniform u the row's Sampler drew). ids[r] = the token, or -1 where the backend leaves the
+  // row to the host (`host` set, or its filters keep more tokens than it sorts): that row's
+  // logits [0, cols) are then copied to host_logits + r * cols. Errors as argmax_rows. false:
+  // not offered, nothing done.
+  struct SampleSpec {
+    float temperature = 0.f, top_p = 1.f, min_p = 0.f;
+    int32_t top_k = 0;
+    double u = 0.0;
+    bool host = false;
+  };
+  virtual bool sample_rows(const float* x, int64_t rows, int64_t cols, int64_t limit, const SampleSpec* spec,
+                           int32_t* ids, float* host_logits) {
+    return false;
+  }
+
   // Optional instrumentation for benchmarks: how many (layer, routed expert) pairs moe() has run
   // since the last reset_counters() (an expert used by several tokens of one call counts once);
   // -1 when the backend does not count.

@@ -118,6 +118,12 @@ void Model::forward(const int32_t* tokens, const TokenPos* pos, int64_t n, const
 
 bool Model::forward_greedy(const int32_t* tokens, const TokenPos* pos, int64_t n,
                            const std::vector<int64_t>& logit_rows, int64_t limit, int32_t* ids, float* logits) {
+  return forward_sample(tokens, pos, n, logit_rows, limit, nullptr, ids, logits);
+}
+
+bool Model::forward_sample(const int32_t* tokens, const TokenPos* pos, int64_t n,
+                           const std::vector<int64_t>& logit_rows, int64_t limit, const Backend::SampleSpec* spec,
+                           int32_t* ids, float* logits) {
   const ModelArgs& a = args_;
   for (int64_t i = 0; i < n; ++i) {
     if (tokens[i] < 0 || tokens[i] >= a.vocab_size)
@@ -142,9 +148,9 @@ bool Model::forward_greedy(const int32_t* tokens, const TokenPos* pos, int64_t n
   if (!hooks || !be_->begin_step(tokens, pos, n, logit_rows.data(), m)) run_ops(tokens, pos, n, logit_rows);
   if (hooks) be_->end_step();
   if (m == 0) return false;
-  if (ids && be_->argmax_rows(logits_, m, a.vocab_size, limit > 0 ? std::min<int64_t>(limit, a.vocab_size) : a.vocab_size,
-                              ids))
-    return true;
+  const int64_t lim = limit > 0 ? std::min<int64_t>(limit, a.vocab_size) : a.vocab_size;
+  if (ids && spec && be_->sample_rows(logits_, m, a.vocab_size, lim, spec, ids, logits)) return true;
+  if (ids && !spec && be_->argmax_rows(logits_, m, a.vocab_size, lim, ids)) return true;
   be_->download(logits, logits_, size_t(m * a.vocab_size));
   return false;
 }

@@ -70,6 +70,11 @@ class Model {
   // never leaving the backend; else the logits go to `logits` as above and false is returned.
   bool forward_greedy(const int32_t* tokens, const TokenPos* pos, int64_t n, const std::vector<int64_t>& logit_rows,
                       int64_t limit, int32_t* ids, float* logits);
+  // The same step sampled where the logits are (Backend::sample_rows), spec [rows]: true with
+  // ids [rows] the draws, -1 for a row left to the host, whose logits are then in `logits` (its
+  // row); false: the backend does not sample, every row's logits are in `logits`.
+  bool forward_sample(const int32_t* tokens, const TokenPos* pos, int64_t n, const std::vector<int64_t>& logit_rows,
+                      int64_t limit, const Backend::SampleSpec* spec, int32_t* ids, float* logits);
 
  private:
   void init();

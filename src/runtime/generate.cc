@@ -72,9 +72,13 @@ std::vector<GenerateResult> Generator::run(const std::vector<GenerateRequest>& r
     else live.push_back(i);
   }
   bool first = true;
-  // Greedy requests without penalties need only each row's argmax: a backend that offers it
-  // (argmax_rows) computes it where the logits are, and only the ids come back.
+  // A decode step's draws without penalties can happen where the logits are: a backend that
+  // offers it takes each row's argmax (argmax_rows: every request greedy) or draws it
+  // (sample_rows, with the u each row's sampler drew for it), and only the ids come back; a row
+  // it leaves to the host (ids[r] < 0), and every row otherwise, is sampled here from its logits
+  // (with that same u where one was drawn: each sampler's stream stays that of the host path).
   std::vector<int32_t> ids;
+  std::vector<double> pre_u;  // by position in `live`: the u drawn for this step's row (< 0: none)
   bool have_ids = false;
   while (!live.empty()) {
     std::vector<size_t> next;
@@ -84,8 +88,10 @@ std::vector<GenerateResult> Generator::run(const std::vector<GenerateRequest>& r
       size_t i = live[r];
       // The first step's logits are laid out by request, later steps' by position in `live`.
       float* row = logits.data() + (first ? i : r) * size_t(V);
-      if (!have_ids && vocab_limit_ > 0 && vocab_limit_ < V) std::fill(row + vocab_limit_, row + V, -INFINITY);
-      int32_t tok = have_ids ? ids[r] : samplers[i].sample(row, V, ctx[i]);
+      const bool dev = have_ids && ids[r] >= 0;
+      if (!dev && vocab_limit_ > 0 && vocab_limit_ < V) std::fill(row + vocab_limit_, row + V, -INFINITY);
+      const double u = !first && r < pre_u.size() ? pre_u[r] : -1.0;
+      int32_t tok = dev ? ids[r] : (u >= 0 ? samplers[i].sample_at(row, V, ctx[i], u) : samplers[i].sample(row, V, ctx[i]));
       if (on_token) on_token(i, tok);
       if (tok == eos_) {
         out[i].finish_reason = "stop";
@@ -112,12 +118,28 @@ std::vector<GenerateResult> Generator::run(const std::vector<GenerateRequest>& r
     if (live.empty()) break;
     std::vector<int64_t> rows(live.size());
     for (size_t r = 0; r < live.size(); ++r) rows[r] = int64_t(r);
-    bool greedy = device_greedy_;
-    for (size_t i : live) greedy = greedy && samplers[i].params().greedy() && !samplers[i].params().penalized();
+    bool greedy = device_sampling_, drawn = false;
+    for (size_t i : live) {
+      const SamplingParams& p = samplers[i].params();
+      greedy = greedy && p.greedy() && !p.penalized();
+      drawn = drawn || (!p.greedy() && !p.penalized());
+    }
     ids.resize(live.size());
+    pre_u.assign(live.size(), -1.0);
     if (greedy) {
       have_ids = model_.forward_greedy(toks.data(), pos.data(), int64_t(toks.size()), rows, vocab_limit_, ids.data(),
                                        logits.data());
+    } else if (device_sampling_ && drawn) {
+      std::vector<Backend::SampleSpec> spec(live.size());
+      for (size_t r = 0; r < live.size(); ++r) {
+        Sampler& s = samplers[live[r]];
+        const SamplingParams& p = s.params();
+        spec[r].temperature = p.temperature, spec[r].top_k = p.top_k, spec[r].top_p = p.top_p;
+        spec[r].min_p = p.min_p, spec[r].host = p.penalized();
+        if (!p.penalized()) spec[r].u = pre_u[r] = s.draw_uniform();
+      }
+      have_ids = model_.forward_sample(toks.data(), pos.data(), int64_t(toks.size()), rows, vocab_limit_, spec.data(),
+                                       ids.data(), logits.data());
     } else {
       model_.forward(toks.data(), pos.data(), int64_t(toks.size()), rows, logits.data());
       have_ids = false;

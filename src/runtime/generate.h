@@ -51,10 +51,11 @@ class Generator {
   // Samples only ids < n: checkpoints pad the vocabulary past the tokenizer's last id (DeepSeek-V3:
   // 129280 rows, 128815 tokens); ids that no tokenizer can decode are never drawn.
   void set_vocab_limit(int n) { vocab_limit_ = n; }
-  // Whether decode steps whose requests are all greedy (no penalties) take the argmax on the
-  // backend (Backend::argmax_rows) instead of downloading the logits. On by default; off gives
-  // the host sampler's path (tests compare the two).
-  void set_device_greedy(bool on) { device_greedy_ = on; }
+  // Whether decode steps draw on the backend where it offers that (Backend::argmax_rows when all
+  // requests are greedy, sample_rows for draws without penalties) instead of downloading the
+  // logits. On by default; off gives the host sampler's path (tests compare the two: the same
+  // tokens for the same seeds).
+  void set_device_sampling(bool on) { device_sampling_ = on; }
 
  private:
   Model& model_;
@@ -62,7 +63,7 @@ class Generator {
   int chunk_;
   bool reuse_ = false;
   int vocab_limit_ = 0;  // 0 = the model's vocabulary
-  bool device_greedy_ = true;
+  bool device_sampling_ = true;
   std::vector<std::vector<int32_t>> cached_;  // per slot: the tokens whose K/V the cache holds
   GenerateStats stats_;
 };

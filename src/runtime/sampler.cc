@@ -175,6 +175,10 @@ std::vector<double> Sampler::probabilities(const float* logits, int vocab,
 }
 
 int32_t Sampler::sample(const float* logits, int vocab, const std::vector<int32_t>& context) {
+  return sample_at(logits, vocab, context, draw_uniform());
+}
+
+int32_t Sampler::sample_at(const float* logits, int vocab, const std::vector<int32_t>& context, double u) const {
   if (params_.greedy()) {
     if (params_.penalized()) return argmax(penalized_logits(params_, logits, vocab, context));
     // No penalties: the checks and the argmax on the row itself (no copy of it).
@@ -183,7 +187,6 @@ int32_t Sampler::sample(const float* logits, int vocab, const std::vector<int32_
   }
   Candidates c = filter(logits, vocab, context);
   // Inverse CDF; the last kept token absorbs any rounding left over at the top.
-  const double u = rng_.uniform();
   double cum = 0;
   for (size_t i = 0; i + 1 < c.ids.size(); ++i) {
     cum += c.probs[i];

@@ -47,6 +47,11 @@ class Sampler {
   // so far, used only by the penalties (every id must lie in [0, vocab)). Logits may be -inf
   // (never drawn); NaN or +inf is an error, as is a row with no finite logit.
   int32_t sample(const float* logits, int vocab, const std::vector<int32_t>& context);
+  // sample() in two halves, for a draw made elsewhere (a backend sampling where the logits are):
+  // draw_uniform() advances the RNG as sample() would (no draw for greedy sampling: returns -1),
+  // sample_at(..., u) draws with that u. sample() == sample_at(..., draw_uniform()).
+  double draw_uniform() { return params_.greedy() ? -1.0 : rng_.uniform(); }
+  int32_t sample_at(const float* logits, int vocab, const std::vector<int32_t>& context, double u) const;
 
   // The exact distribution sample() draws from, as vocab probabilities summing to 1 (zero for
   // filtered-out tokens); for greedy sampling, one-hot at the argmax.

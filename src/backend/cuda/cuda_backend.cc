@@ -698,6 +698,39 @@ class CudaBackend final : public Backend {
     return true;
   }
 
+  bool sample_rows(const float* x, int64_t rows, int64_t cols, int64_t limit, const SampleSpec* spec, int32_t* ids,
+                   float* host_logits) override {
+    no_capture("sample_rows");
+    flush_add();
+    flush_marks();
+    std::vector<cuda::DevSample> hs(static_cast<size_t>(rows));
+    for (int64_t r = 0; r < rows; ++r) {
+      const SampleSpec& s = spec[r];
+      hs[size_t(r)] = {s.temperature, s.top_p, s.min_p, s.top_k, s.u, s.host ? 1 : 0, 0};
+    }
+    const size_t sb = hs.size() * sizeof(cuda::DevSample);
+    char* d = static_cast<char*>(scratch(kTopk, sb + size_t(rows) * 12));
+    auto* ds = reinterpret_cast<cuda::DevSample*>(d);
+    auto* dout = reinterpret_cast<int32_t*>(d + sb);
+    CK(cudaMemcpyAsync(ds, hs.data(), sb, cudaMemcpyHostToDevice, stream_));
+    cuda::sample_rows(L_, x, rows, cols, limit, ds, dout);
+    std::vector<int32_t> h(static_cast<size_t>(rows) * 3);
+    CK(cudaMemcpyAsync(h.data(), dout, h.size() * 4, cudaMemcpyDeviceToHost, stream_));
+    CK(cudaStreamSynchronize(stream_));
+    for (int64_t r = 0; r < rows; ++r) {  // the host sampler's checks, its messages
+      const int32_t* o = &h[size_t(r) * 3];
+      if (o[1] == 2) {
+        float v = 0.f;
+        CK(cudaMemcpy(&v, x + r * cols + o[2], 4, cudaMemcpyDeviceToHost));
+        fail("sampling: logit of token ", o[2], " is ", v, " (must be finite or -inf)");
+      }
+      if (o[1] == 3) fail("sampling: every one of the ", limit, " logits is -inf");
+      ids[r] = o[1] == 0 ? o[0] : -1;
+      if (o[1] == 1) CK(cudaMemcpy(host_logits + r * cols, x + r * cols, size_t(cols) * 4, cudaMemcpyDeviceToHost));
+    }
+    return true;
+  }
+
   // Test hook: act_quant.
   void act_quant(const float* x, int64_t rows, int64_t cols, bool ue8m0, uint8_t* y, float* s) {
     flush_add();

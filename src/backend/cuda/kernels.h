@@ -33,6 +33,13 @@ struct DevExpert {
   int32_t vec13 = 0, vec2 = 0;  // vec_ok() of w1 and w3, of w2
 };
 
+struct DevSample {  // one row's draw for sample_rows (Backend::SampleSpec)
+  float temperature, top_p, min_p;
+  int32_t top_k;
+  double u;
+  int32_t host, pad;
+};
+
 struct DevPos {  // same layout as dsv3::TokenPos
   int32_t slot, pos;
 };
@@ -66,6 +73,12 @@ void empty_kernels(const Launch& L, int count, bool wide);
 // Per row of x [rows, cols]: out[r] = {the lowest index of the largest value in [0, limit), the
 // first NaN / +inf index or -1, 1 if every value is -inf}.
 void argmax_rows(const Launch& L, const float* x, int64_t rows, int64_t cols, int64_t limit, int32_t* out);
+// Per row of x [rows, cols] (kernels_sample.cu): the host sampler's draw for spec[r] (device memory)
+// over columns [0, limit) without penalties; out[r] = {id, status, index}: status 0 drawn, 1 left
+// to the host (spec host, or a prefix longer than the kernel sorts), 2 a NaN / +inf logit at
+// index, 3 every logit -inf.
+void sample_rows(const Launch& L, const float* x, int64_t rows, int64_t cols, int64_t limit, const DevSample* spec,
+                 int32_t* out);
 // kernel.py's act_quant(x, 128, scale_fmt) on x [rows, cols] (cols % 128 == 0): y e4m3 bytes
 // [rows, cols], s [rows, cols / 128]; bit-identical to the reference (tests: golden kernels).
 void act_quant(const Launch& L, const float* x, int64_t rows, int64_t cols, bool ue8m0, uint8_t* y, float* s);
