@@ -676,6 +676,17 @@ class CudaBackend final : public Backend {
     cuda::mla_naive_values(L_, d, pos, n, S, cache.v, out);
   }
 
+  // The host sampler's checks and messages for logit row r of x (device): `bad` the index of a
+  // NaN / +inf logit (< 0: none), `none` every one of its `limit` logits -inf.
+  void check_logit_row(const float* x, int64_t r, int64_t cols, int64_t limit, int32_t bad, bool none) {
+    if (bad >= 0) {
+      float v = 0.f;
+      CK(cudaMemcpy(&v, x + r * cols + bad, 4, cudaMemcpyDeviceToHost));
+      fail("sampling: logit of token ", bad, " is ", v, " (must be finite or -inf)");
+    }
+    if (none) fail("sampling: every one of the ", limit, " logits is -inf");
+  }
+
   bool argmax_rows(const float* x, int64_t rows, int64_t cols, int64_t limit, int32_t* ids) override {
     no_capture("argmax_rows");
     flush_add();
@@ -685,14 +696,9 @@ class CudaBackend final : public Backend {
     std::vector<int32_t> h(static_cast<size_t>(rows) * 3);
     CK(cudaMemcpyAsync(h.data(), d, h.size() * 4, cudaMemcpyDeviceToHost, stream_));
     CK(cudaStreamSynchronize(stream_));
-    for (int64_t r = 0; r < rows; ++r) {  // the host sampler's checks, its messages
+    for (int64_t r = 0; r < rows; ++r) {
       const int32_t* o = &h[size_t(r) * 3];
-      if (o[1] >= 0) {
-        float v = 0.f;
-        CK(cudaMemcpy(&v, x + r * cols + o[1], 4, cudaMemcpyDeviceToHost));
-        fail("sampling: logit of token ", o[1], " is ", v, " (must be finite or -inf)");
-      }
-      if (o[2]) fail("sampling: every one of the ", limit, " logits is -inf");
+      check_logit_row(x, r, cols, limit, o[1], o[2] != 0);
       ids[r] = o[0];
     }
     return true;
@@ -717,14 +723,9 @@ class CudaBackend final : public Backend {
     std::vector<int32_t> h(static_cast<size_t>(rows) * 3);
     CK(cudaMemcpyAsync(h.data(), dout, h.size() * 4, cudaMemcpyDeviceToHost, stream_));
     CK(cudaStreamSynchronize(stream_));
-    for (int64_t r = 0; r < rows; ++r) {  // the host sampler's checks, its messages
-      const int32_t* o = &h[size_t(r) * 3];
-      if (o[1] == 2) {
-        float v = 0.f;
-        CK(cudaMemcpy(&v, x + r * cols + o[2], 4, cudaMemcpyDeviceToHost));
-        fail("sampling: logit of token ", o[2], " is ", v, " (must be finite or -inf)");
-      }
-      if (o[1] == 3) fail("sampling: every one of the ", limit, " logits is -inf");
+    for (int64_t r = 0; r < rows; ++r) {
+      const int32_t* o = &h[size_t(r) * 3];  // {id, status, index}: cuda::sample_rows
+      check_logit_row(x, r, cols, limit, o[1] == 2 ? o[2] : -1, o[1] == 3);
       ids[r] = o[1] == 0 ? o[0] : -1;
       if (o[1] == 1) CK(cudaMemcpy(host_logits + r * cols, x + r * cols, size_t(cols) * 4, cudaMemcpyDeviceToHost));
     }

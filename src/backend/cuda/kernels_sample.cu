@@ -60,11 +60,16 @@ struct Scratch {
   double w[kPrefix];
   double part[kWarps];
   int hist[256];
-  int ival[kWarps][4];
+  int ival[kWarps][5];
   float fval[kWarps];
   int count, overflow, digit, remaining;
-  double total;
 };
+
+// A row's result: {id, status, index} (status 0 drawn, 1 left to the host, 2 a bad logit at
+// index, 3 every logit -inf).
+__device__ __forceinline__ void put(int32_t* o, int id, int status, int index = -1) {
+  o[0] = id, o[1] = status, o[2] = index;
+}
 
 // Block-wide sum of v (every thread gets it).
 __device__ double block_sum_d(double v, Scratch& S) {
@@ -89,7 +94,7 @@ __global__ void __launch_bounds__(kThreads) sample_kernel(const float* __restric
   const DevSample sp = spec[r];
   pdl_wait();
   if (sp.host) {
-    if (tid == 0) o[0] = -1, o[1] = 1, o[2] = -1;
+    if (tid == 0) put(o, -1, 1);
     return;
   }
   // Pass 1: first bad index, max with its lowest id, first and last finite ids, finite count.
@@ -113,8 +118,10 @@ __global__ void __launch_bounds__(kThreads) sample_kernel(const float* __restric
     fl = max(fl, __shfl_xor_sync(0xffffffffu, fl, s));
     nfin += __shfl_xor_sync(0xffffffffu, nfin, s);
   }
-  if (lane == 0) S.fval[warp] = best, S.ival[warp][0] = bi, S.ival[warp][1] = bad, S.ival[warp][2] = f0, S.ival[warp][3] = fl;
-  if (lane == 0) S.part[warp] = double(nfin);
+  if (lane == 0) {
+    S.fval[warp] = best;
+    S.ival[warp][0] = bi, S.ival[warp][1] = bad, S.ival[warp][2] = f0, S.ival[warp][3] = fl, S.ival[warp][4] = nfin;
+  }
   __syncthreads();
   best = -INFINITY, bi = INT32_MAX, bad = INT32_MAX, f0 = INT32_MAX, fl = -1, nfin = 0;
   for (int w = 0; w < kWarps; ++w) {
@@ -122,15 +129,15 @@ __global__ void __launch_bounds__(kThreads) sample_kernel(const float* __restric
     const int oi = S.ival[w][0];
     if (ob > best || (ob == best && oi < bi)) best = ob, bi = oi;
     bad = min(bad, S.ival[w][1]), f0 = min(f0, S.ival[w][2]), fl = max(fl, S.ival[w][3]);
-    nfin += int(S.part[w]);
+    nfin += S.ival[w][4];
   }
   __syncthreads();
   if (bad != INT32_MAX || nfin == 0) {
-    if (tid == 0) o[0] = -1, o[1] = bad != INT32_MAX ? 2 : 3, o[2] = bad != INT32_MAX ? bad : -1;
+    if (tid == 0) put(o, -1, bad != INT32_MAX ? 2 : 3, bad != INT32_MAX ? bad : -1);
     return;
   }
   auto done = [&](int id) {
-    if (tid == 0) o[0] = id, o[1] = 0, o[2] = -1;
+    if (tid == 0) put(o, id, 0);
   };
   if (sp.temperature == 0.f) return done(bi);
   const double inv_t = 1.0 / double(sp.temperature), top = double(best), u = sp.u;
@@ -195,7 +202,7 @@ __global__ void __launch_bounds__(kThreads) sample_kernel(const float* __restric
 
   // The sorted prefix: the k (top-k) or kPrefix largest, with ties at the boundary.
   if (top_k && sp.top_k > kPrefix) {
-    if (tid == 0) o[0] = -1, o[1] = 1, o[2] = -1;
+    if (tid == 0) put(o, -1, 1);
     return;
   }
   const int M = top_k ? sp.top_k : min(nfin, kPrefix);
@@ -236,7 +243,7 @@ __global__ void __launch_bounds__(kThreads) sample_kernel(const float* __restric
   });
   __syncthreads();
   if (S.overflow) {  // more ties than fit: the host sorts
-    if (tid == 0) o[0] = -1, o[1] = 1, o[2] = -1;
+    if (tid == 0) put(o, -1, 1);
     return;
   }
   const int cnt = S.count;
@@ -283,7 +290,7 @@ __global__ void __launch_bounds__(kThreads) sample_kernel(const float* __restric
     }
     const bool open = keep == n && (sp.top_p >= 1.f || mass < double(sp.top_p));
     if (open && n < (top_k ? sp.top_k : nfin)) {  // the prefix goes on past what was sorted
-      o[0] = -1, o[1] = 1, o[2] = -1;
+      put(o, -1, 1);
       return;
     }
   }
@@ -293,11 +300,11 @@ __global__ void __launch_bounds__(kThreads) sample_kernel(const float* __restric
   for (int i = 0; i + 1 < keep; ++i) {
     cum += S.w[i] / sum;
     if (u < cum) {
-      o[0] = id_of(i), o[1] = 0, o[2] = -1;
+      put(o, id_of(i), 0);
       return;
     }
   }
-  o[0] = id_of(keep - 1), o[1] = 0, o[2] = -1;
+  put(o, id_of(keep - 1), 0);
 }
 
 }  // namespace
