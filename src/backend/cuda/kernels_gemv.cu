@@ -8,6 +8,12 @@
 
 #include "core/error.h"
 
+// DSV3_GEMV_ABLATE=1 (a measurement aid, never for results): the streaming path's weight loads without
+// the arithmetic (bench/results/2026-12-02-h200-cuda/run21-*).
+#ifndef DSV3_GEMV_ABLATE
+#define DSV3_GEMV_ABLATE 0
+#endif
+
 namespace dsv3::cuda {
 namespace {
 
@@ -204,6 +210,13 @@ struct Stream {
   }
   __device__ void compute(int64_t g, int64_t b, const uint4* wa, const uint4* wb, const float* const* xr, float* a0,
                           float* a1) const {
+#if DSV3_GEMV_ABLATE == 1  // measurement only (wrong numbers): the weight loads without the arithmetic
+    uint32_t xx = 0;
+#pragma unroll
+    for (int u = 0; u < PU; ++u) xx ^= wa[u].x ^ wa[u].y ^ wa[u].z ^ wa[u].w ^ wb[u].x ^ wb[u].y ^ wb[u].z ^ wb[u].w;
+    a0[0] += __uint_as_float(xx & 0x3fffffffu);
+    return;
+#endif
     int64_t ra, rb;
     rows_of(g, ra, rb);
     const Src A = src(g, false), B = src(g, true);

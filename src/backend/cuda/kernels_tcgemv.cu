@@ -22,6 +22,13 @@
 #include "backend/cuda/moe_route.cuh"
 #include "core/error.h"
 
+// DSV3_TCV_ABLATE (a measurement aid, never for results; bench/results/2026-12-02-h200-cuda/run21-*):
+// 1 = the weight loads alone, 2 = the MMAs without the e4m3 widening, 3 = the loads alone in the order of
+// 16-row tiles stored iteration by iteration (2 KB contiguous per tile and iteration).
+#ifndef DSV3_TCV_ABLATE
+#define DSV3_TCV_ABLATE 0
+#endif
+
 namespace dsv3::cuda {
 namespace {
 
@@ -162,7 +169,11 @@ __device__ __forceinline__ void mma_iter(const uint4* w, const char* bp, int64_t
         const uint4* wq = w + 4 * q;
         if constexpr (WT == kFP8) {  // step j: bytes 4j .. 4j + 3 of each row
           const uint32_t wa = word(wq[j >> 2], j & 3), wb = word(wq[2 + (j >> 2)], j & 3);
+#if DSV3_TCV_ABLATE == 2  // measurement only (wrong numbers): the MMAs without the e4m3 widening
+          const uint32_t A[4] = {wa & 0x3bff3bffu, wb & 0x3bff3bffu, (wa >> 1) & 0x3bff3bffu, (wb >> 1) & 0x3bff3bffu};
+#else
           const uint32_t A[4] = {e4m3x2_h2(wa), e4m3x2_h2(wb), e4m3x2_h2(wa >> 16), e4m3x2_h2(wb >> 16)};
+#endif
 #pragma unroll
           for (int p = 0; p < PARTS; ++p) mma_f16(t[q], A, word(bu[p], 2 * h), word(bu[p], 2 * h + 1));
         } else {  // step j: bf16 values 4j .. 4j + 3 (words 2j, 2j + 1) of each row
@@ -214,8 +225,20 @@ __device__ void tcv_run(const TcvJob& J, int64_t tile_base, char* smem) {
     qa = static_cast<const char*>(J.b.w) + ((J.b.row0 + ra) * J.b.ld + J.b.col0) * EB + 16 * c4;
     qb = static_cast<const char*>(J.b.w) + ((J.b.row0 + rb) * J.b.ld + J.b.col0) * EB + 16 * c4;
   }
+  int64_t ostep = 128;  // bytes from one iteration to the next
+#if DSV3_TCV_ABLATE == 3  // measurement only (wrong numbers): the loads alone, as from tiles stored [iteration][row][128 B]
+  if (r0 + 16 <= rows && col0 == 0 && ld == K && (!FUSED || (J.b.col0 == 0 && J.b.ld == K))) {
+    const char* ta = static_cast<const char*>(W) + (row0 + r0) * ld * EB;
+    pa = ta + g * 128 + 16 * c4, pb = pa + 8 * 128;
+    if constexpr (FUSED) {
+      const char* tb = static_cast<const char*>(J.b.w) + (J.b.row0 + r0) * J.b.ld * EB;
+      qa = tb + g * 128 + 16 * c4, qb = qa + 8 * 128;
+    }
+    ostep = 16 * 128;
+  }
+#endif
   auto load = [&](int i, uint4* r) {  // act_off's two loads per row
-    const int64_t o = int64_t(i) * 128;
+    const int64_t o = int64_t(i) * ostep;
     r[0] = ld_stream(pa + o), r[1] = ld_stream(pa + o + 64);
     r[2] = ld_stream(pb + o), r[3] = ld_stream(pb + o + 64);
     if constexpr (FUSED) {
@@ -258,7 +281,14 @@ __device__ void tcv_run(const TcvJob& J, int64_t tile_base, char* smem) {
           c0 = am[min(2 * c4, J.m - 1) * nkb + it];
           c1 = am[min(2 * c4 + 1, J.m - 1) * nkb + it];
         }
+#if DSV3_TCV_ABLATE == 1 || DSV3_TCV_ABLATE == 3  // measurement only (wrong numbers): the weight loads without the arithmetic
+        uint32_t xx = 0;
+#pragma unroll
+        for (int u = 0; u < NL; ++u) xx ^= buf[s][u].x ^ buf[s][u].y ^ buf[s][u].z ^ buf[s][u].w;
+        acc[0][0] += __uint_as_float(xx & 0x3fffffffu);
+#else
         mma_iter<WT, NM>(buf[s], bsrc + int64_t(it) * (WT == kFP8 ? 256 : 128), PS, sw, has_tok, acc, sc, c0, c1);
+#endif
         if (it + NB < i1) load(it + NB, buf[s]);
       }
     }
