@@ -929,8 +929,9 @@ TEST(CudaOps, ArgmaxRowsMatchesTheHostSampler) {
 
 // Backend::sample_rows against the host sampler's sample_at with the same u, over 102400-token
 // rows: greedy, temperature alone, top-k (with ties at the boundary), top-p, min-p and their
-// mixes, masked tokens, a vocabulary limit; rows the device leaves to the host (a top-p prefix
-// past the 1024 it sorts, top_k above 1024, `host`) come back as logits; NaN / all -inf refused.
+// mixes, masked tokens, a vocabulary limit, the long draw (top-p / min-p prefixes past the 1024
+// the kernel sorts, top_k above 1024, one tie group of the whole row, +0 / -0 ties); a row marked
+// `host` comes back as logits; NaN / all -inf refused.
 TEST(CudaOps, SampleRowsMatchTheHostSampler) {
   REQUIRE_GPU();
   auto cuda = make_cuda_backend(opts());
@@ -938,22 +939,32 @@ TEST(CudaOps, SampleRowsMatchTheHostSampler) {
   struct Case {
     float t, p, minp;
     int k;
-    int row;     // 0 peaked (randn * 3), 1 flat (randn * 0.1), 2 ties at 5.0 around the top 50, 3 every third -inf
+    // 0 peaked (randn * 3), 1 flat (randn * 0.1), 2 ties at 5.0 around the top 50, 3 every third -inf,
+    // 4 every logit 1.0 (one tie group), 5 peaked minus 20 with 512 logits +0.0 / -0.0 on top (equal)
+    int row;
     bool host;   // the device is expected to leave it to the host
     bool flag = false;
   };
+  // Rows 6, 13 and from 16 on take the long draw (no sorted prefix: top_k above 1024, a top-p /
+  // min-p prefix past 1024 tokens, more ties than the prefix holds).
   const std::vector<Case> cases = {
       {0.f, 1.f, 0.f, 0, 0, false},      {1.f, 1.f, 0.f, 0, 0, false},     {0.7f, 1.f, 0.f, 0, 3, false},
       {0.7f, 1.f, 0.f, 1, 0, false},     {0.8f, 1.f, 0.f, 40, 0, false},   {1.f, 1.f, 0.f, 1024, 1, false},
-      {1.f, 1.f, 0.f, 1500, 0, true},    {0.7f, 0.9f, 0.f, 0, 0, false},   {0.7f, 0.5f, 0.f, 0, 3, false},
+      {1.f, 1.f, 0.f, 1500, 0, false},   {0.7f, 0.9f, 0.f, 0, 0, false},   {0.7f, 0.5f, 0.f, 0, 3, false},
       {1.f, 1.f, 0.1f, 0, 0, false},     {0.8f, 0.8f, 0.f, 50, 0, false},  {0.9f, 1.f, 0.05f, 50, 2, false},
-      {1.f, 1.f, 0.f, 50, 2, false},     {1.f, 0.99f, 0.f, 0, 1, true},    {0.7f, 0.9f, 0.f, 0, 0, true, true},
-      {2.f, 1.f, 0.f, 0, 1, false}};
+      {1.f, 1.f, 0.f, 50, 2, false},     {1.f, 0.99f, 0.f, 0, 1, false},   {0.7f, 0.9f, 0.f, 0, 0, true, true},
+      {2.f, 1.f, 0.f, 0, 1, false},      {1.f, 0.9f, 0.f, 0, 1, false},    {1.f, 1.f, 0.001f, 0, 1, false},
+      {1.5f, 0.95f, 0.02f, 3000, 0, false}, {1.f, 1.f, 0.f, 5000, 1, false}, {1.f, 0.3f, 0.f, 0, 4, false},
+      {1.f, 1.f, 0.f, 2000, 4, false},   {1.f, 0.999f, 0.f, 0, 3, false},  {1.f, 0.5f, 0.f, 1500, 5, false},
+      {0.6f, 0.3f, 0.f, 0, 2, false},    {1.f, 0.7f, 0.3f, 0, 1, false},   {0.5f, 0.6f, 0.f, 0, 5, false}};
   const int64_t rows = int64_t(cases.size());
   std::vector<float> x(size_t(rows * cols));
   for (int64_t r = 0; r < rows; ++r) {
     const Case& c = cases[size_t(r)];
     std::vector<float> v = randn(size_t(cols), uint32_t(90 + r), c.row == 1 ? 0.1f : 3.f);
+    if (c.row == 4) std::fill(v.begin(), v.end(), 1.f);
+    if (c.row == 5)
+      for (int64_t j = 0; j < cols; ++j) v[size_t(j)] = j % 200 == 7 ? (j % 400 == 7 ? 0.f : -0.f) : v[size_t(j)] - 20.f;
     if (c.row == 2)
       for (int64_t j = 0; j < 60; ++j) v[size_t(j * 1601 + 3)] = 5.f * 3.f;  // 60 equal logits, above the rest
     if (c.row == 3)

@@ -98,7 +98,7 @@ class Backend {
   // Sampling where the logits live, one SampleSpec per row (a draw of runtime/sampler.h without
   // penalties: temperature 0 is the argmax; else temperature, top-k, top-p, min-p and the draw at
   // the uniform u the row's Sampler drew). ids[r] = the token, or -1 where the backend leaves the
-  // row to the host (`host` set, or its filters keep more tokens than it sorts): that row's
+  // row to the host (`host` set; a backend may also leave rows it cannot draw): that row's
   // logits [0, cols) are then copied to host_logits + r * cols. Errors as argmax_rows. false:
   // not offered, nothing done.
   struct SampleSpec {

@@ -714,12 +714,13 @@ class CudaBackend final : public Backend {
       const SampleSpec& s = spec[r];
       hs[size_t(r)] = {s.temperature, s.top_p, s.min_p, s.top_k, s.u, s.host ? 1 : 0, 0};
     }
-    const size_t sb = hs.size() * sizeof(cuda::DevSample);
-    char* d = static_cast<char*>(scratch(kTopk, sb + size_t(rows) * 12));
+    const size_t sb = hs.size() * sizeof(cuda::DevSample), ob = (size_t(rows) * 12 + 15) / 16 * 16;
+    char* d = static_cast<char*>(scratch(kTopk, sb + ob + size_t(rows * limit) * sizeof(double)));
     auto* ds = reinterpret_cast<cuda::DevSample*>(d);
     auto* dout = reinterpret_cast<int32_t*>(d + sb);
+    auto* dw = reinterpret_cast<double*>(d + sb + ob);
     CK(cudaMemcpyAsync(ds, hs.data(), sb, cudaMemcpyHostToDevice, stream_));
-    cuda::sample_rows(L_, x, rows, cols, limit, ds, dout);
+    cuda::sample_rows(L_, x, rows, cols, limit, ds, dout, dw);
     std::vector<int32_t> h(static_cast<size_t>(rows) * 3);
     CK(cudaMemcpyAsync(h.data(), dout, h.size() * 4, cudaMemcpyDeviceToHost, stream_));
     CK(cudaStreamSynchronize(stream_));

@@ -75,10 +75,10 @@ void empty_kernels(const Launch& L, int count, bool wide);
 void argmax_rows(const Launch& L, const float* x, int64_t rows, int64_t cols, int64_t limit, int32_t* out);
 // Per row of x [rows, cols] (kernels_sample.cu): the host sampler's draw for spec[r] (device memory)
 // over columns [0, limit) without penalties; out[r] = {id, status, index}: status 0 drawn, 1 left
-// to the host (spec host, or a prefix longer than the kernel sorts), 2 a NaN / +inf logit at
-// index, 3 every logit -inf.
+// to the host (spec host), 2 a NaN / +inf logit at index, 3 every logit -inf. w: float64 scratch
+// [rows, limit] (the long draw keeps the row's weights there).
 void sample_rows(const Launch& L, const float* x, int64_t rows, int64_t cols, int64_t limit, const DevSample* spec,
-                 int32_t* out);
+                 int32_t* out, double* w);
 // kernel.py's act_quant(x, 128, scale_fmt) on x [rows, cols] (cols % 128 == 0): y e4m3 bytes
 // [rows, cols], s [rows, cols / 128]; bit-identical to the reference (tests: golden kernels).
 void act_quant(const Launch& L, const float* x, int64_t rows, int64_t cols, bool ue8m0, uint8_t* y, float* s);

@@ -8,12 +8,15 @@
 //   - top-k / top-p / min-p: the sampler's sorted prefix. The k largest (top-k), or the 1024
 //     largest (top-p / min-p alone), are found by a radix select on order-preserving keys (four
 //     8-bit passes), gathered with their ties and sorted (bitonic, larger logit then lower id
-//     first); one thread then applies the filters and the inverse CDF exactly as the host does.
-//     A top-p / min-p prefix longer than that, more ties than fit, or top_k above 1024 leave the
-//     row to the host (status 1).
-// The weights are exp((z - top) / T) in float64 as on the host; the temperature-only path and
-// top-p's total without top-k sum in a different order (last-bit differences), so a draw can
-// differ from the host's only where u lies within rounding of a boundary.
+//     first); one thread then applies the filters and the inverse CDF exactly as the host does;
+//   - a top-p / min-p prefix longer than that, more ties than fit, or top_k above 1024 (long_draw):
+//     no sort at all. The kept set is the sampler's prefix of `keep` tokens, keep the least of k,
+//     the min-p count and the rank where the mass reaches top_p; ranks and masses come from radix
+//     selects over the keys (by count, or by mass in fixed point: deterministic), ties by id.
+// The weights are exp((z - top) / T) in float64 as on the host; the temperature-only path,
+// top-p's total without top-k and the long draw's fixed-point masses sum in a different order
+// (last-bit differences, ~1e-12 in the long draw), so a draw can differ from the host's only
+// where u (or top_p) lies within rounding of a boundary.
 #include "backend/cuda/common.cuh"
 #include "core/error.h"
 
@@ -24,11 +27,15 @@ constexpr int kThreads = 1024, kWarps = kThreads / 32;
 constexpr int kSortMax = 2048;  // candidates gathered at most (the prefix and its ties)
 constexpr int kPrefix = 1024;   // tokens sorted for top-p / min-p (and the largest top_k taken)
 
-// Order-preserving key of a logit: larger logit, larger key; -inf (never drawn) 0.
+// Order-preserving key of a logit: larger logit, larger key; -inf (never drawn) 0; -0 as +0 (the
+// host's order sees them equal: ties by id).
 __device__ __forceinline__ uint32_t logit_key(float z) {
   if (z == -INFINITY) return 0u;
-  const uint32_t b = __float_as_uint(z);
+  const uint32_t b = z == 0.f ? 0u : __float_as_uint(z);
   return (b & 0x80000000u) ? ~b : (b | 0x80000000u);
+}
+__device__ __forceinline__ float key_logit(uint32_t k) {  // logit_key's inverse on finite keys
+  return __uint_as_float((k & 0x80000000u) ? (k & 0x7fffffffu) : ~k);
 }
 
 // f(i, z[i]) for this thread's ids i = tid, tid + kThreads, ... below limit, eight loads in
@@ -59,10 +66,11 @@ struct Scratch {
   unsigned long long cand[kSortMax];  // key << 32 | ~id: descending order = larger logit, lower id
   double w[kPrefix];
   double part[kWarps];
+  unsigned long long mhist[256], upart[kWarps], mbase;
   int hist[256];
   int ival[kWarps][5];
   float fval[kWarps];
-  int count, overflow, digit, remaining;
+  int count, overflow, digit, remaining, above, gcount, found, flag;
 };
 
 // A row's result: {id, status, index} (status 0 drawn, 1 left to the host, 2 a bad logit at
@@ -84,8 +92,298 @@ __device__ double block_sum_d(double v, Scratch& S) {
   return t;
 }
 
+// Block-wide sum of v (every thread gets it), exact.
+__device__ unsigned long long block_sum_u(unsigned long long v, Scratch& S) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  __syncthreads();
+  if (lane == 0) S.upart[warp] = v;
+  __syncthreads();
+  unsigned long long t = 0;
+  for (int w = 0; w < kWarps; ++w) t += S.upart[w];
+  return t;
+}
+
+// One pass of a radix select over the row: S.hist[d] += 1 for each token that digit_of(i, z[i])
+// puts in bucket d >= 0 (and S.mhist[d] += mass_of(i) when MASS). A warp's lanes that share
+// a bucket add once, through their leader: a row's keys crowd into a few buckets, and
+// same-address shared atomics serialise. The warp walks the row in step (no lane leaves early).
+// The last pass's S.hist[digit] is how many tokens share the selected key.
+template <bool MASS, typename D, typename W>
+__device__ void hist_pass(const float* __restrict__ z, int64_t limit, Scratch& S, D digit_of, W mass_of) {
+  for (int b = threadIdx.x; b < 256; b += kThreads) {
+    S.hist[b] = 0;
+    if (MASS) S.mhist[b] = 0;
+  }
+  __syncthreads();
+  const int lane = threadIdx.x & 31;
+  constexpr int U = 4;
+  for (int64_t b0 = int64_t(threadIdx.x & ~31); b0 < limit; b0 += int64_t(U) * kThreads) {
+    float v[U];
+#pragma unroll
+    for (int q = 0; q < U; ++q) {
+      const int64_t i = b0 + int64_t(q) * kThreads + lane;
+      v[q] = i < limit ? __ldg(z + i) : -INFINITY;
+    }
+#pragma unroll
+    for (int q = 0; q < U; ++q) {
+      const int64_t i = b0 + int64_t(q) * kThreads + lane;
+      const int d = i < limit ? digit_of(i, v[q]) : -1;
+      if (!__any_sync(0xffffffffu, d >= 0)) continue;  // (later passes: most warps hold none)
+      const unsigned peers = __match_any_sync(0xffffffffu, d);
+      if (d < 0) continue;
+      const bool lead = lane == __ffs(peers) - 1;
+      if constexpr (MASS) {  // the group's sum in three 18-bit parts (32 of them fit 32 bits)
+        const unsigned long long m = mass_of(i);
+        const unsigned p0 = __reduce_add_sync(peers, unsigned(m & 0x3ffffu));
+        const unsigned p1 = __reduce_add_sync(peers, unsigned((m >> 18) & 0x3ffffu));
+        const unsigned p2 = __reduce_add_sync(peers, unsigned(m >> 36));
+        if (lead)
+          atomicAdd(&S.mhist[d], static_cast<unsigned long long>(p0) + (static_cast<unsigned long long>(p1) << 18) +
+                                     (static_cast<unsigned long long>(p2) << 36));
+      }
+      if (lead) atomicAdd(&S.hist[d], __popc(peers));
+    }
+  }
+  __syncthreads();
+}
+
+// A prefix of the sampler's order (larger logit, then lower id) as a cut: every key above `key`,
+// and the ids up to `id` of that key. {1, INT32_MAX}: every finite token.
+struct Cut {
+  uint32_t key;
+  int id;
+};
+__device__ __forceinline__ bool in_cut(uint32_t k, int64_t i, Cut c) {
+  return k > c.key || (k == c.key && i <= c.id);
+}
+
+// Radix selects over a row's tokens inside a cut (every thread calls each; they synchronise the
+// block): four 8-bit passes over the keys from the top, thread 0 picking each digit.
+struct LongRow {
+  const float* z;
+  int64_t limit;
+  const double* w;          // the row's weights (long_draw fills them: 0 for -inf)
+  double top, inv_t, scale;  // scale: the weights' fixed point (2^45 for 2^17 tokens: a row sums below 2^62)
+  Scratch& S;
+  __device__ unsigned long long fix(double x) const { return static_cast<unsigned long long>(x * scale + 0.5); }
+  __device__ unsigned long long wfix(int64_t i) const { return fix(w[i]); }
+  // The key of the M-th token (1-based) of cut c in the sampler's order, which of its key's
+  // tokens it is (j, 1-based, in id order) and how many share the key in c (n).
+  __device__ uint32_t count_select(int M, Cut c, int& j, int& n) const {
+    uint32_t prefix = 0, mask = 0;
+    if (threadIdx.x == 0) S.remaining = M;
+    for (int shift = 24; shift >= 0; shift -= 8) {
+      hist_pass<false>(
+          z, limit, S,
+          [&](int64_t i, float v) {
+            const uint32_t k = logit_key(v);
+            return k > 0 && in_cut(k, i, c) && (k & mask) == prefix ? int((k >> shift) & 255) : -1;
+          },
+          [](int64_t) { return 0ull; });
+      if (threadIdx.x == 0) {
+        int cum = 0, b = 255;
+        for (; b > 0; --b) {
+          if (cum + S.hist[b] >= S.remaining) break;
+          cum += S.hist[b];
+        }
+        S.digit = b, S.remaining -= cum;
+      }
+      __syncthreads();
+      prefix |= uint32_t(S.digit) << shift, mask |= 255u << shift;
+    }
+    j = S.remaining, n = S.hist[S.digit];
+    __syncthreads();
+    return prefix;
+  }
+  // The j-th lowest id (1-based) among the n tokens of key `key` in cut c.
+  __device__ int select_id(uint32_t key, int j, int n, Cut c) const {
+    if (n == 1) {  // the only one: a single pass
+      each_logit(z, limit, [&](int64_t i, float v) {
+        if (logit_key(v) == key && in_cut(key, i, c)) S.remaining = int(i);
+      });
+      __syncthreads();
+      const int id = S.remaining;
+      __syncthreads();
+      return id;
+    }
+    uint32_t prefix = 0, mask = 0;
+    if (threadIdx.x == 0) S.remaining = j;
+    const int top_shift = limit > (1 << 24) ? 24 : limit > (1 << 16) ? 16 : limit > 256 ? 8 : 0;
+    for (int shift = top_shift; shift >= 0; shift -= 8) {
+      hist_pass<false>(
+          z, limit, S,
+          [&](int64_t i, float v) {
+            return logit_key(v) == key && in_cut(key, i, c) && (uint32_t(i) & mask) == prefix
+                       ? int((uint32_t(i) >> shift) & 255)
+                       : -1;
+          },
+          [](int64_t) { return 0ull; });
+      if (threadIdx.x == 0) {
+        int cum = 0, b = 0;
+        for (; b < 255; ++b) {
+          if (cum + S.hist[b] >= S.remaining) break;
+          cum += S.hist[b];
+        }
+        S.digit = b, S.remaining -= cum;
+      }
+      __syncthreads();
+      prefix |= uint32_t(S.digit) << shift, mask |= 255u << shift;
+    }
+    __syncthreads();
+    return int(prefix);
+  }
+  // The first token of cut c, in the sampler's order, whose running fixed-point mass (its own
+  // included) reaches thr (exceeds it when strict): its key, which of its key's tokens it is (t,
+  // 0-based), how many tokens come before that key and how many share it (n). False when the
+  // whole cut stays short.
+  __device__ bool mass_select(unsigned long long thr, bool strict, Cut c, uint32_t& key, int& t, int& above,
+                              int& n) const {
+    uint32_t prefix = 0, mask = 0;
+    if (threadIdx.x == 0) S.mbase = 0, S.above = 0, S.found = 1;
+    for (int shift = 24; shift >= 0; shift -= 8) {
+      hist_pass<true>(
+          z, limit, S,
+          [&](int64_t i, float v) {
+            const uint32_t k = logit_key(v);
+            return k > 0 && in_cut(k, i, c) && (k & mask) == prefix ? int((k >> shift) & 255) : -1;
+          },
+          [&](int64_t i) { return wfix(i); });
+      if (threadIdx.x == 0) {
+        unsigned long long base = S.mbase;
+        int b = 255;
+        for (; b >= 0; --b) {
+          const unsigned long long m = base + S.mhist[b];
+          if (strict ? m > thr : m >= thr) break;
+          base = m, S.above += S.hist[b];
+        }
+        if (b < 0) S.found = 0, b = 0;
+        S.digit = b, S.mbase = base, S.gcount = S.hist[b];
+      }
+      __syncthreads();
+      if (!S.found) return false;  // (uniform)
+      prefix |= uint32_t(S.digit) << shift, mask |= 255u << shift;
+    }
+    key = prefix, above = S.above;
+    // The key's tokens all weigh the same: the first whose mass reaches thr, by division.
+    const unsigned long long wk = fix(weight(key_logit(key), top, inv_t)), rem = thr - S.mbase;
+    const long long tt = wk == 0 ? 0 : strict ? (long long)(rem / wk) : (long long)((rem + wk - 1) / wk) - 1;
+    n = S.gcount, t = int(max(0ll, min(tt, (long long)n - 1)));
+    __syncthreads();
+    return true;
+  }
+};
+
+// The draw when the sorted prefix does not hold it (long top-p / min-p prefixes, many ties,
+// top_k > kPrefix): the host's candidates C (every finite token, or the first k), their total
+// `all`, the kept prefix K of `keep` tokens (k, the min-p count, the rank where the mass reaches
+// top_p: the least of them), then the token where the running mass of K passes u of its total.
+__device__ __noinline__ int long_draw(const float* z, int64_t limit, const DevSample& sp, int nfin, double top,
+                                      double inv_t, double u, double* w, Scratch& S) {
+  int bits = 0;
+  while ((int64_t(1) << bits) < limit) ++bits;
+  const LongRow R{z, limit, w, top, inv_t, ldexp(1.0, min(52, 62 - bits)), S};
+  const Cut every{1u, INT32_MAX};
+  Cut C = every;
+  int nC = nfin;
+  if (sp.top_k > 0 && sp.top_k < nfin) {
+    int j = 0, n = 0;
+    const uint32_t k = R.count_select(sp.top_k, every, j, n);
+    C = {k, R.select_id(k, j, n, every)}, nC = sp.top_k;
+  }
+  // Every token's weight once (the passes below read them), and the candidates' total.
+  double mine = 0;
+  each_logit(z, limit, [&](int64_t i, float v) {
+    const uint32_t k = logit_key(v);
+    const double wi = k > 0 ? weight(v, top, inv_t) : 0.0;
+    w[i] = wi;
+    if (k > 0 && in_cut(k, i, C)) mine += wi;
+  });
+  const double all = block_sum_d(mine, S);  // (its barriers make the weights visible to the block)
+  int keep = nC;
+  Cut K = C;
+  bool have_k = true;  // K is the cut of the first `keep`
+  if (sp.top_p < 1.f || sp.min_p > 0.f) {
+    if (sp.min_p > 0.f) {  // tokens at least min_p times as likely as the first (which always stays)
+      const double floor = double(sp.min_p) * 1.0 / all;  // (the first's weight is exp(0))
+      int n = 0;
+      each_logit(z, limit, [&](int64_t i, float v) {
+        const uint32_t k = logit_key(v);
+        if (k > 0 && in_cut(k, i, C) && !(w[i] / all < floor)) ++n;
+      });
+      n = max(1, int(block_sum_u(static_cast<unsigned long long>(n), S)));
+      if (n < keep) keep = n, have_k = false;
+    }
+    if (sp.top_p < 1.f) {  // the first token whose mass, its own included, reaches top_p is the last kept
+      uint32_t k = 0;
+      int t = 0, above = 0, n = 0;
+      const auto thr = static_cast<unsigned long long>(double(sp.top_p) * all * R.scale);
+      if (R.mass_select(thr, false, C, k, t, above, n) && above + t + 1 <= keep) {
+        keep = above + t + 1;
+        K = {k, R.select_id(k, t + 1, n, C)}, have_k = true;
+      }
+    }
+  }
+  if (!have_k) {
+    int j = 0, n = 0;
+    const uint32_t k = R.count_select(keep, C, j, n);
+    K = {k, R.select_id(k, j, n, C)};
+  }
+  unsigned long long kept = 0;
+  each_logit(z, limit, [&](int64_t i, float v) {
+    const uint32_t k = logit_key(v);
+    if (k > 0 && in_cut(k, i, K)) kept += R.wfix(i);
+  });
+  const unsigned long long sum = block_sum_u(kept, S);
+  uint32_t k = 0;
+  int t = 0, above = 0, n = 0;
+  if (R.mass_select(static_cast<unsigned long long>(u * double(sum)), true, K, k, t, above, n))
+    return R.select_id(k, t + 1, n, K);
+  // Rounding left u at the top: the last kept token, as the host does.
+  int j = 0;
+  const uint32_t kl = R.count_select(keep, K, j, n);
+  return R.select_id(kl, j, n, K);
+}
+
+// The host's filters and draw over the sorted prefix S.w [n] (one thread); false once drawn, true
+// when the kept prefix may go on past n.
+template <typename IdOf>
+__device__ bool prefix_draw(Scratch& S, int n, const DevSample& sp, bool top_k, int nfin, double all, double u,
+                            int32_t* o, IdOf id_of) {
+  const bool filt = sp.top_p < 1.f || sp.min_p > 0.f;
+  int keep = n;
+  if (filt) {
+    if (top_k)
+      for (int i = 0; i < n; ++i) all += S.w[i];
+    double mass = 0;
+    keep = 0;
+    const double floor = double(sp.min_p) * S.w[0] / all;
+    while (keep < n && (sp.top_p >= 1.f || mass < double(sp.top_p))) {
+      const double q = S.w[keep] / all;
+      if (keep > 0 && sp.min_p > 0.f && q < floor) break;
+      mass += q, ++keep;
+    }
+    const bool open = keep == n && (sp.top_p >= 1.f || mass < double(sp.top_p));
+    if (open && n < (top_k ? sp.top_k : nfin)) return true;
+  }
+  double sum = 0;
+  for (int i = 0; i < keep; ++i) sum += S.w[i];
+  double cum = 0;
+  for (int i = 0; i + 1 < keep; ++i) {
+    cum += S.w[i] / sum;
+    if (u < cum) {
+      put(o, id_of(i), 0);
+      return false;
+    }
+  }
+  put(o, id_of(keep - 1), 0);
+  return false;
+}
+
 __global__ void __launch_bounds__(kThreads) sample_kernel(const float* __restrict__ x, int64_t cols, int64_t limit,
-                                                          const DevSample* __restrict__ spec, int32_t* __restrict__ out) {
+                                                          const DevSample* __restrict__ spec, int32_t* __restrict__ out,
+                                                          double* __restrict__ w) {
   __shared__ Scratch S;
   const int64_t r = blockIdx.x;
   const float* z = x + r * cols;
@@ -186,9 +484,9 @@ __global__ void __launch_bounds__(kThreads) sample_kernel(const float* __restric
       double run = start;
       int last = -1;
       for (int64_t i = lo; i < hi; ++i) {
-        const double w = wt(i);
-        if (w == 0.0) continue;
-        run += w, last = int(i);
+        const double wi = wt(i);
+        if (wi == 0.0) continue;
+        run += wi, last = int(i);
         if (target < run) break;
       }
       if (last >= 0 && (target < run || tid < kThreads - 1)) S.digit = last;  // (rounding: its last token)
@@ -200,36 +498,15 @@ __global__ void __launch_bounds__(kThreads) sample_kernel(const float* __restric
     return done(swap && fl == bi ? f0 : fl);
   }
 
+  auto long_done = [&] { done(long_draw(z, limit, sp, nfin, top, inv_t, u, w + r * limit, S)); };
   // The sorted prefix: the k (top-k) or kPrefix largest, with ties at the boundary.
-  if (top_k && sp.top_k > kPrefix) {
-    if (tid == 0) put(o, -1, 1);
-    return;
-  }
+  if (top_k && sp.top_k > kPrefix) return long_done();
   const int M = top_k ? sp.top_k : min(nfin, kPrefix);
   uint32_t tau = 1u;  // gather keys >= tau (every finite one when all fit)
   if (M < nfin) {
-    uint32_t prefix = 0, mask = 0;
-    if (tid == 0) S.remaining = M;
-    for (int shift = 24; shift >= 0; shift -= 8) {
-      for (int b = tid; b < 256; b += kThreads) S.hist[b] = 0;
-      __syncthreads();
-      each_logit(z, limit, [&](int64_t, float v) {
-        const uint32_t k = logit_key(v);
-        if ((k & mask) == prefix) atomicAdd(&S.hist[(k >> shift) & 255], 1);
-      });
-      __syncthreads();
-      if (tid == 0) {
-        int cum = 0, b = 255;
-        for (; b > 0; --b) {
-          if (cum + S.hist[b] >= S.remaining) break;
-          cum += S.hist[b];
-        }
-        S.digit = b, S.remaining -= cum;
-      }
-      __syncthreads();
-      prefix |= uint32_t(S.digit) << shift, mask |= 255u << shift;
-    }
-    tau = prefix;  // the M-th largest key
+    int j = 0, n = 0;
+    const LongRow R{z, limit, nullptr, top, inv_t, 1.0, S};
+    tau = R.count_select(M, Cut{1u, INT32_MAX}, j, n);  // the M-th largest key
   }
   if (tid == 0) S.count = 0, S.overflow = 0;
   __syncthreads();
@@ -242,10 +519,7 @@ __global__ void __launch_bounds__(kThreads) sample_kernel(const float* __restric
     }
   });
   __syncthreads();
-  if (S.overflow) {  // more ties than fit: the host sorts
-    if (tid == 0) put(o, -1, 1);
-    return;
-  }
+  if (S.overflow) return long_done();  // more ties than fit
   const int cnt = S.count;
   int N = 2;
   while (N < cnt) N <<= 1;
@@ -273,46 +547,21 @@ __global__ void __launch_bounds__(kThreads) sample_kernel(const float* __restric
     });
     all = block_sum_d(mine, S);
   }
+  if (tid == 0) S.flag = 0;
   __syncthreads();
-  if (tid != 0) return;
-  // From here the host's loop, one thread, over the sorted prefix.
-  int keep = n;
-  if (filt) {
-    if (top_k)
-      for (int i = 0; i < n; ++i) all += S.w[i];
-    double mass = 0;
-    keep = 0;
-    const double floor = double(sp.min_p) * S.w[0] / all;
-    while (keep < n && (sp.top_p >= 1.f || mass < double(sp.top_p))) {
-      const double q = S.w[keep] / all;
-      if (keep > 0 && sp.min_p > 0.f && q < floor) break;
-      mass += q, ++keep;
-    }
-    const bool open = keep == n && (sp.top_p >= 1.f || mass < double(sp.top_p));
-    if (open && n < (top_k ? sp.top_k : nfin)) {  // the prefix goes on past what was sorted
-      put(o, -1, 1);
-      return;
-    }
+  if (tid == 0) {  // the host's loop, one thread, over the sorted prefix
+    S.flag = prefix_draw(S, n, sp, top_k, nfin, all, u, o, id_of);
   }
-  double sum = 0;
-  for (int i = 0; i < keep; ++i) sum += S.w[i];
-  double cum = 0;
-  for (int i = 0; i + 1 < keep; ++i) {
-    cum += S.w[i] / sum;
-    if (u < cum) {
-      put(o, id_of(i), 0);
-      return;
-    }
-  }
-  put(o, id_of(keep - 1), 0);
+  __syncthreads();
+  if (S.flag) long_done();  // the prefix goes on past what was sorted
 }
 
 }  // namespace
 
 void sample_rows(const Launch& L, const float* x, int64_t rows, int64_t cols, int64_t limit, const DevSample* spec,
-                 int32_t* out) {
+                 int32_t* out, double* w) {
   DSV3_CHECK(limit >= 1 && limit <= cols && limit < INT32_MAX, "sample_rows: limit ", limit, " of ", cols);
-  launch(L, sample_kernel, dim3(unsigned(rows)), dim3(kThreads), 0, x, cols, limit, spec, out);
+  launch(L, sample_kernel, dim3(unsigned(rows)), dim3(kThreads), 0, x, cols, limit, spec, out, w);
 }
 
 }  // namespace dsv3::cuda
