@@ -79,29 +79,18 @@ __device__ __forceinline__ void put(int32_t* o, int id, int status, int index = 
   o[0] = id, o[1] = status, o[2] = index;
 }
 
-// Block-wide sum of v (every thread gets it).
-__device__ double block_sum_d(double v, Scratch& S) {
+// Block-wide sum of v (every thread gets it; the warps' sums in order: the same on every
+// thread). part: kWarps of scratch (S.part for double, S.upart for the exact 64-bit sums).
+template <typename T>
+__device__ T block_sum(T v, T* part) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
   __syncthreads();
-  if (lane == 0) S.part[warp] = v;
+  if (lane == 0) part[warp] = v;
   __syncthreads();
-  double t = 0;
-  for (int w = 0; w < kWarps; ++w) t += S.part[w];  // in order: the same on every thread
-  return t;
-}
-
-// Block-wide sum of v (every thread gets it), exact.
-__device__ unsigned long long block_sum_u(unsigned long long v, Scratch& S) {
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-  __syncthreads();
-  if (lane == 0) S.upart[warp] = v;
-  __syncthreads();
-  unsigned long long t = 0;
-  for (int w = 0; w < kWarps; ++w) t += S.upart[w];
+  T t = 0;
+  for (int w = 0; w < kWarps; ++w) t += part[w];
   return t;
 }
 
@@ -300,7 +289,7 @@ __device__ __noinline__ int long_draw(const float* z, int64_t limit, const DevSa
     w[i] = wi;
     if (k > 0 && in_cut(k, i, C)) mine += wi;
   });
-  const double all = block_sum_d(mine, S);  // (its barriers make the weights visible to the block)
+  const double all = block_sum(mine, S.part);  // (its barriers make the weights visible to the block)
   int keep = nC;
   Cut K = C;
   bool have_k = true;  // K is the cut of the first `keep`
@@ -312,7 +301,7 @@ __device__ __noinline__ int long_draw(const float* z, int64_t limit, const DevSa
         const uint32_t k = logit_key(v);
         if (k > 0 && in_cut(k, i, C) && !(w[i] / all < floor)) ++n;
       });
-      n = max(1, int(block_sum_u(static_cast<unsigned long long>(n), S)));
+      n = max(1, int(block_sum(static_cast<unsigned long long>(n), S.upart)));
       if (n < keep) keep = n, have_k = false;
     }
     if (sp.top_p < 1.f) {  // the first token whose mass, its own included, reaches top_p is the last kept
@@ -335,7 +324,7 @@ __device__ __noinline__ int long_draw(const float* z, int64_t limit, const DevSa
     const uint32_t k = logit_key(v);
     if (k > 0 && in_cut(k, i, K)) kept += R.wfix(i);
   });
-  const unsigned long long sum = block_sum_u(kept, S);
+  const unsigned long long sum = block_sum(kept, S.upart);
   uint32_t k = 0;
   int t = 0, above = 0, n = 0;
   if (R.mass_select(static_cast<unsigned long long>(u * double(sum)), true, K, k, t, above, n))
@@ -545,7 +534,7 @@ __global__ void __launch_bounds__(kThreads) sample_kernel(const float* __restric
     each_logit(z, limit, [&](int64_t, float v) {
       if (v != -INFINITY) mine += weight(v, top, inv_t);
     });
-    all = block_sum_d(mine, S);
+    all = block_sum(mine, S.part);
   }
   if (tid == 0) S.flag = 0;
   __syncthreads();
