@@ -148,6 +148,27 @@ __device__ __forceinline__ bool in_cut(uint32_t k, int64_t i, Cut c) {
   return k > c.key || (k == c.key && i <= c.id);
 }
 
+// A key pass's bucket for token (i, v): its key's digit at `shift` when the key is finite, in cut
+// c and carries the digits chosen so far (prefix under mask); else -1.
+__device__ __forceinline__ int key_digit(int64_t i, float v, Cut c, uint32_t prefix, uint32_t mask, int shift) {
+  const uint32_t k = logit_key(v);
+  return k > 0 && in_cut(k, i, c) && (k & mask) == prefix ? int((k >> shift) & 255) : -1;
+}
+
+// Thread 0, after a counting pass: the bucket in which the count S.remaining is reached, walking
+// from the top (larger keys first) or from the bottom (lower ids first); S.remaining becomes the
+// rank left inside it.
+__device__ __forceinline__ void pick_by_count(Scratch& S, bool from_top) {
+  if (threadIdx.x != 0) return;
+  const int step = from_top ? -1 : 1, end = from_top ? 0 : 255;
+  int cum = 0, b = from_top ? 255 : 0;
+  for (; b != end; b += step) {
+    if (cum + S.hist[b] >= S.remaining) break;
+    cum += S.hist[b];
+  }
+  S.digit = b, S.remaining -= cum;
+}
+
 // Radix selects over a row's tokens inside a cut (every thread calls each; they synchronise the
 // block): four 8-bit passes over the keys from the top, thread 0 picking each digit.
 struct LongRow {
@@ -165,20 +186,9 @@ struct LongRow {
     if (threadIdx.x == 0) S.remaining = M;
     for (int shift = 24; shift >= 0; shift -= 8) {
       hist_pass<false>(
-          z, limit, S,
-          [&](int64_t i, float v) {
-            const uint32_t k = logit_key(v);
-            return k > 0 && in_cut(k, i, c) && (k & mask) == prefix ? int((k >> shift) & 255) : -1;
-          },
+          z, limit, S, [&](int64_t i, float v) { return key_digit(i, v, c, prefix, mask, shift); },
           [](int64_t) { return 0ull; });
-      if (threadIdx.x == 0) {
-        int cum = 0, b = 255;
-        for (; b > 0; --b) {
-          if (cum + S.hist[b] >= S.remaining) break;
-          cum += S.hist[b];
-        }
-        S.digit = b, S.remaining -= cum;
-      }
+      pick_by_count(S, true);
       __syncthreads();
       prefix |= uint32_t(S.digit) << shift, mask |= 255u << shift;
     }
@@ -209,14 +219,7 @@ struct LongRow {
                        : -1;
           },
           [](int64_t) { return 0ull; });
-      if (threadIdx.x == 0) {
-        int cum = 0, b = 0;
-        for (; b < 255; ++b) {
-          if (cum + S.hist[b] >= S.remaining) break;
-          cum += S.hist[b];
-        }
-        S.digit = b, S.remaining -= cum;
-      }
+      pick_by_count(S, false);
       __syncthreads();
       prefix |= uint32_t(S.digit) << shift, mask |= 255u << shift;
     }
@@ -233,11 +236,7 @@ struct LongRow {
     if (threadIdx.x == 0) S.mbase = 0, S.above = 0, S.found = 1;
     for (int shift = 24; shift >= 0; shift -= 8) {
       hist_pass<true>(
-          z, limit, S,
-          [&](int64_t i, float v) {
-            const uint32_t k = logit_key(v);
-            return k > 0 && in_cut(k, i, c) && (k & mask) == prefix ? int((k >> shift) & 255) : -1;
-          },
+          z, limit, S, [&](int64_t i, float v) { return key_digit(i, v, c, prefix, mask, shift); },
           [&](int64_t i) { return wfix(i); });
       if (threadIdx.x == 0) {
         unsigned long long base = S.mbase;
