@@ -25,6 +25,7 @@
 
 #include "tools/anchors_h200.h"
 #include "backend/cuda/cuda_backend.h"
+#include "backend/cuda/kernels.h"
 #include "model/model.h"
 #include "runtime/generate.h"
 
@@ -228,7 +229,7 @@ int main(int argc, char** argv) {
       }
       auto asked = [&](const std::string& name) { return std::find(only.begin(), only.end(), name) != only.end(); };
       for (int hb : {1, 2})  // dec-hH-sS (asked for only): the decode attention with H heads per block, <= S splits
-        for (int cap : {0, 4, 8, 16, 32, 64}) {
+        for (int cap : {0, 1, 2, 4, 8, 16, 32, 64}) {
           const std::string name = "dec-h" + std::to_string(hb) + "-s" + std::to_string(cap);
           if (!asked(name)) continue;
           CudaOptions o = base;
@@ -305,6 +306,9 @@ int main(int argc, char** argv) {
             l.hf = B == 1 ? anchors::kHfBf16DecodeB1 : anchors::kHfBf16DecodeB8;
             report(l);
             if (v.profile) std::printf("%s", cuda::profile_report(*bp, true).c_str());
+            // A DSV3_TRACE=1 build's kernel waits over the last steps (DSV3_CUDA_TRACE=file).
+            if (const char* tp = std::getenv("DSV3_CUDA_TRACE"))
+              cuda::trace_dump(tp, (dt + " " + l.what + " " + v.name).c_str());
           }
         }
         if (generate && v.decode && !prefill_only) {

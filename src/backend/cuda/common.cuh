@@ -22,7 +22,7 @@ namespace dsv3::cuda {
 #ifndef DSV3_PDL_TRIGGER
 #define DSV3_PDL_TRIGGER 1
 #endif
-__device__ __forceinline__ void pdl_wait() {
+__device__ __forceinline__ void pdl_wait_raw() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.wait;" ::: "memory");
 #if DSV3_PDL_TRIGGER
@@ -30,11 +30,80 @@ __device__ __forceinline__ void pdl_wait() {
 #endif
 #endif
 }
+
+// DSV3_TRACE=1 (a measurement build, never for results): block (0,0,0) of every kernel takes a
+// ticket in launch order at its wait and records the global timer before and after it, with the
+// call's source line and the grid (trace.cu). The next kernel's wait ends when this one has
+// finished, so the differences of the wait ends are each kernel's cost inside the recorded chain.
+#ifndef DSV3_TRACE
+#define DSV3_TRACE 0
+#endif
+#if DSV3_TRACE
+struct TraceBuf {
+  unsigned long long ticket;
+  unsigned long long rec[kTraceRecs][4];  // t before the wait, t after it, line | unit << 16, grid
+};
+static __device__ TraceBuf* g_trace = nullptr;
+static __device__ unsigned g_trace_unit = 0;
+void trace_register(void (*bind)(TraceBuf*, unsigned), const char* unit);
+static void trace_bind_unit(TraceBuf* b, unsigned unit) {
+  cudaMemcpyToSymbol(g_trace, &b, sizeof b);
+  cudaMemcpyToSymbol(g_trace_unit, &unit, sizeof unit);
+}
+static const int g_trace_registered = (trace_register(trace_bind_unit, __BASE_FILE__), 0);
+__device__ __forceinline__ unsigned long long global_ns() {
+  unsigned long long t;
+  asm volatile("mov.u64 %0, %globaltimer;" : "=l"(t));
+  return t;
+}
+__device__ __forceinline__ void pdl_wait_traced(int line) {
+  TraceBuf* b = g_trace;
+  const bool rec = b && threadIdx.x == 0 && blockIdx.x == 0 && blockIdx.y == 0 && blockIdx.z == 0;
+  unsigned long long t0 = 0, slot = 0;
+  if (rec) t0 = global_ns(), slot = atomicAdd(&b->ticket, 1ull) % kTraceRecs;
+  pdl_wait_raw();
+  if (rec) {
+    unsigned long long* r = b->rec[slot];
+    r[0] = t0, r[1] = global_ns(), r[2] = unsigned(line) | (g_trace_unit << 16);
+    r[3] = gridDim.x | (unsigned long long)(gridDim.y) << 24 | (unsigned long long)(gridDim.z) << 48;
+  }
+}
+#define pdl_wait() pdl_wait_traced(__LINE__)
+// A point inside a kernel (the calling thread; a grid of 0 marks it in the dump).
+__device__ __forceinline__ void trace_point_at(int line) {
+  TraceBuf* b = g_trace;
+  if (!b) return;
+  const unsigned long long t = global_ns(), slot = atomicAdd(&b->ticket, 1ull) % kTraceRecs;
+  unsigned long long* r = b->rec[slot];
+  r[0] = t, r[1] = t, r[2] = unsigned(line) | (g_trace_unit << 16), r[3] = 0;
+}
+#define trace_point() trace_point_at(__LINE__)
+#else
+__device__ __forceinline__ void pdl_wait() { pdl_wait_raw(); }
+__device__ __forceinline__ void trace_point() {}
+#endif
 // Let the next kernel in the stream be scheduled (it still waits in pdl_wait for our completion).
 __device__ __forceinline__ void pdl_trigger() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.launch_dependents;");
 #endif
+}
+
+// Whether this block is the last of `total` to arrive at *counter, after each has written its
+// partial results (every thread calls it; it synchronises the block). One acq_rel atomic by
+// thread 0 at GPU scope, between two barriers: it releases the block's earlier stores and, in the
+// last block, orders the loads after it behind every other block's stores (read them through L2,
+// __ldcg). That replaces a fence by every thread before the count and another after it.
+__device__ __forceinline__ bool last_to_arrive(unsigned* counter, unsigned total) {
+  __shared__ bool last;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    unsigned old;
+    asm volatile("atom.add.acq_rel.gpu.u32 %0, [%1], 1;" : "=r"(old) : "l"(counter) : "memory");
+    last = old == total - 1;
+  }
+  __syncthreads();
+  return last;
 }
 
 __device__ __forceinline__ float warp_sum(float v) {

@@ -208,6 +208,7 @@ class CudaBackend final : public Backend {
     CB(cublasCreate(&cublas_));
     CB(cublasSetStream(cublas_, stream_));
     CB(cublasSetWorkspace(cublas_, scratch(kCublasWs, 32 << 20), 32 << 20));
+    if (std::getenv("DSV3_CUDA_TRACE")) cuda::trace_begin();  // (a DSV3_TRACE=1 build's kernel trace)
   }
 
   ~CudaBackend() override {

@@ -54,6 +54,14 @@ struct Launch {
 // Multiprocessors of the current device (queried once; 132 if the query fails).
 int device_sms();
 
+// ---- measurement (trace.cu): with kernels built with DSV3_TRACE=1, every kernel's block 0 records
+// its wait (common.cuh); otherwise these do nothing.
+constexpr int kTraceRecs = 16384;
+// Allocates and binds the trace buffer (once); false when the kernels were built without it.
+bool trace_begin();
+// Appends the records of the last tickets, in launch order, to `path` under a "# label" line.
+void trace_dump(const char* path, const char* label);
+
 // Throws dsv3::Error with the call's text and file:line when a CUDA call fails.
 void check(cudaError_t e, const char* what, const char* file, int line);
 #define DSV3_CUDA_CHECK(call) ::dsv3::cuda::check((call), #call, __FILE__, __LINE__)

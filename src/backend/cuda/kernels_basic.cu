@@ -47,31 +47,52 @@ __global__ void rmsnorm_kernel(const float* x, int64_t d, int64_t stride, const 
 __global__ void add_rmsnorm_kernel(float* h, const float* __restrict__ r, int64_t d, const float* __restrict__ w,
                                    float eps, float* y) {
   __shared__ float red[33];
-  // The norm weights never come from a kernel: the thread's first ones load before the wait.
+  // Before the wait: the norm weights (never from a kernel) and, in a decode step, the residual
+  // h — the kernel that last wrote it (the MoE combine, or the previous norm) ran at least three
+  // kernels back, and every kernel triggers only after its own wait, so it is complete by now.
+  // Rows of up to kPre * blockDim values stay in registers (one round of loads after the wait).
   constexpr int kPre = 4;
-  float wp[kPre];
+  float* hi = h + blockIdx.x * d;
+  const float* ri = r + blockIdx.x * d;
+  float* yi = y + blockIdx.x * d;
+  const bool regs = d <= int64_t(kPre) * blockDim.x;
+  float wp[kPre], hv[kPre];
 #pragma unroll
   for (int j = 0; j < kPre; ++j) {
     const int64_t k = threadIdx.x + int64_t(j) * blockDim.x;
     wp[j] = k < d ? w[k] : 0.f;
+    hv[j] = regs && k < d ? __ldcg(hi + k) : 0.f;
   }
   pdl_wait();
   pdl_trigger();
-  float* hi = h + blockIdx.x * d;
-  const float* ri = r + blockIdx.x * d;
-  float* yi = y + blockIdx.x * d;
   float ss = 0.f;
-  for (int64_t k = threadIdx.x; k < d; k += blockDim.x) {
-    const float v = hi[k] + ri[k];
-    hi[k] = v;
-    ss += v * v;
+  if (regs) {
+    float rv[kPre];
+#pragma unroll
+    for (int j = 0; j < kPre; ++j) {
+      const int64_t k = threadIdx.x + int64_t(j) * blockDim.x;
+      rv[j] = k < d ? ri[k] : 0.f;
+    }
+#pragma unroll
+    for (int j = 0; j < kPre; ++j) {
+      const int64_t k = threadIdx.x + int64_t(j) * blockDim.x;
+      hv[j] += rv[j];
+      if (k < d) hi[k] = hv[j];
+      ss += hv[j] * hv[j];  // (0 past d)
+    }
+  } else {
+    for (int64_t k = threadIdx.x; k < d; k += blockDim.x) {
+      const float v = hi[k] + ri[k];
+      hi[k] = v;
+      ss += v * v;
+    }
   }
   ss = block_sum(ss, red);
   const float rr = 1.f / sqrtf(ss / float(d) + eps);
 #pragma unroll
   for (int j = 0; j < kPre; ++j) {
     const int64_t k = threadIdx.x + int64_t(j) * blockDim.x;
-    if (k < d) yi[k] = hi[k] * rr * wp[j];
+    if (k < d) yi[k] = (regs ? hv[j] : hi[k]) * rr * wp[j];
   }
   for (int64_t k = threadIdx.x + int64_t(kPre) * blockDim.x; k < d; k += blockDim.x) yi[k] = hi[k] * rr * w[k];
 }

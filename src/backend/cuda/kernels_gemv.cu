@@ -423,7 +423,6 @@ __global__ void __launch_bounds__(kWarps * 32, 2) gate_route_kernel(Job J, Route
   __shared__ float sc_s[kWarps][kMaxE], ch_s[kWarps][kMaxE];
   __shared__ float gs_s[kWarps][kMaxG];
   __shared__ float part[kWarps][NT];
-  __shared__ bool last;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int64_t r = blockIdx.x;
   uint4 first[kGateU];
@@ -451,12 +450,9 @@ __global__ void __launch_bounds__(kWarps * 32, 2) gate_route_kernel(Job J, Route
     }
     __syncthreads();
   }
-  __threadfence();
-  __syncthreads();
-  if (threadIdx.x == 0) last = atomicAdd(counter, 1u) == gridDim.x - 1;
-  __syncthreads();
-  if (last) {
-    __threadfence();
+  if (DSV3_TRACE && threadIdx.x == 0 && blockIdx.x == 0) trace_point();  // block 0's gate row written
+  if (last_to_arrive(counter, gridDim.x)) {
+    if (DSV3_TRACE && threadIdx.x == 0) trace_point();  // the last block: routing starts
     if (s.n == 1) {  // one token: the block routes it and writes the schedule (no grouping)
       route_one_block(ra, J.y, bias, s, nullptr, nullptr);
     } else {
@@ -466,6 +462,7 @@ __global__ void __launch_bounds__(kWarps * 32, 2) gate_route_kernel(Job J, Route
       group_pairs(s, true);
     }
     if (threadIdx.x == 0) *counter = 0;
+    if (DSV3_TRACE && threadIdx.x == 0) trace_point();  // routed
   }
 }
 

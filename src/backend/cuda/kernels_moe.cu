@@ -97,11 +97,14 @@ __global__ void __launch_bounds__(1024) combine_add_rmsnorm_kernel(MoeSched s, c
   __shared__ float red[33];
   const int64_t i = blockIdx.x;
   const int K = s.K, Kt = s.K + s.S;
-  // Before the wait: the norm weights of the thread's first columns, and the token's pair rows
-  // and weights — the router wrote those at least two kernels back (both expert stages run
-  // between), so with every kernel triggering only after its own wait they are complete.
+  // Before the wait: the norm weights of the thread's first columns, the token's pair rows and
+  // weights, and the residual of those columns — the router wrote the pairs at least two kernels
+  // back (both expert stages run between), the residual's last writer (the attention's add +
+  // norm) four, so with every kernel triggering only after its own wait they are complete.
   const int64_t c0 = int64_t(threadIdx.x) * 4;
   const float4 w0 = c0 < d ? load4<V4>(w + c0, d - c0) : make_float4(0.f, 0.f, 0.f, 0.f);
+  float4 h0 = make_float4(0.f, 0.f, 0.f, 0.f);  // (through L2: written by another kernel)
+  if (c0 < d) h0 = V4 ? __ldcg(reinterpret_cast<const float4*>(h + i * d + c0)) : load4<V4>(h + i * d + c0, d - c0);
   if (threadIdx.x < Kt) {
     po[threadIdx.x] = int64_t(s.pair_of[i * Kt + threadIdx.x]) * d;
     pw[threadIdx.x] = s.pw[i * Kt + threadIdx.x];
@@ -129,8 +132,9 @@ __global__ void __launch_bounds__(1024) combine_add_rmsnorm_kernel(MoeSched s, c
       }
     }
     const float4 m = make_float4(r.x + sh.x, r.y + sh.y, r.z + sh.z, r.w + sh.w);
-    float4 hv = load4<V4>(h + i * d + c, rem);
+    float4 hv = c == c0 ? h0 : load4<V4>(h + i * d + c, rem);
     hv.x += m.x, hv.y += m.y, hv.z += m.z, hv.w += m.w;
+    if (c == c0) h0 = hv;  // kept for the norm's pass
     store4<V4>(y + i * d + c, rem, m);
     store4<V4>(h + i * d + c, rem, hv);
     ss += hv.x * hv.x + hv.y * hv.y + hv.z * hv.z + hv.w * hv.w;  // columns past d are 0
@@ -139,7 +143,7 @@ __global__ void __launch_bounds__(1024) combine_add_rmsnorm_kernel(MoeSched s, c
   const float rr = 1.f / sqrtf(ss / float(d) + eps);
   for (int64_t c = int64_t(threadIdx.x) * 4; c < d; c += int64_t(blockDim.x) * 4) {
     const int64_t rem = d - c;
-    const float4 hv = load4<V4>(h + i * d + c, rem), wv = c == c0 ? w0 : load4<V4>(w + c, rem);
+    const float4 hv = c == c0 ? h0 : load4<V4>(h + i * d + c, rem), wv = c == c0 ? w0 : load4<V4>(w + c, rem);
     store4<V4>(x + i * d + c, rem, make_float4(hv.x * rr * wv.x, hv.y * rr * wv.y, hv.z * rr * wv.z, hv.w * rr * wv.w));
   }
 }
