@@ -37,8 +37,7 @@ def unit_name(units, u):
 
 
 def report(sec, nseq):
-    units = sec["units"]
-    recs = [r for r in sec["recs"] if r[5] != (1 << 24) - 1]  # (value records of older traces)
+    recs, units = sec["recs"], sec["units"]
     # A step starts with the kernel that follows the longest wait for a launch (the host's work
     # between steps); every record of that kernel (unit, line, grid) starts one.
     gaps = [recs[i + 1][1] - recs[i][2] for i in range(len(recs) - 1)]

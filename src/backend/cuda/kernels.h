@@ -57,9 +57,10 @@ int device_sms();
 // ---- measurement (trace.cu): with kernels built with DSV3_TRACE=1, every kernel's block 0 records
 // its wait (common.cuh); otherwise these do nothing.
 constexpr int kTraceRecs = 16384;
-// Allocates and binds the trace buffer (once); false when the kernels were built without it.
-bool trace_begin();
-// Appends the records of the last tickets, in launch order, to `path` under a "# label" line.
+// Allocates and binds the trace buffer (once).
+void trace_begin();
+// Appends the records of the last tickets, in launch order, to `path` under a "# label" line,
+// and empties the buffer for the next dump.
 void trace_dump(const char* path, const char* label);
 
 // Throws dsv3::Error with the call's text and file:line when a CUDA call fails.

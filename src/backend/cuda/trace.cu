@@ -22,13 +22,11 @@ TraceBuf* g_buf = nullptr;
 
 void trace_register(void (*bind)(TraceBuf*, unsigned), const char* unit) { units().push_back({bind, unit}); }
 
-bool trace_begin() {
-  if (!g_buf) {
-    DSV3_CUDA_CHECK(cudaMalloc(&g_buf, sizeof(TraceBuf)));
-    DSV3_CUDA_CHECK(cudaMemset(g_buf, 0, sizeof(TraceBuf)));
-    for (size_t i = 0; i < units().size(); ++i) units()[i].bind(g_buf, unsigned(i));
-  }
-  return true;
+void trace_begin() {
+  if (g_buf) return;
+  DSV3_CUDA_CHECK(cudaMalloc(&g_buf, sizeof(TraceBuf)));
+  DSV3_CUDA_CHECK(cudaMemset(g_buf, 0, sizeof(TraceBuf)));
+  for (size_t i = 0; i < units().size(); ++i) units()[i].bind(g_buf, unsigned(i));
 }
 
 void trace_dump(const char* path, const char* label) {
@@ -36,8 +34,12 @@ void trace_dump(const char* path, const char* label) {
   DSV3_CUDA_CHECK(cudaDeviceSynchronize());
   std::vector<TraceBuf> h(1);
   DSV3_CUDA_CHECK(cudaMemcpy(h.data(), g_buf, sizeof(TraceBuf), cudaMemcpyDeviceToHost));
+  DSV3_CUDA_CHECK(cudaMemset(g_buf, 0, sizeof(TraceBuf)));  // the next dump starts afresh
   FILE* f = std::fopen(path, "a");
-  if (!f) return;
+  if (!f) {
+    std::fprintf(stderr, "dsv3: cannot append the kernel trace to %s\n", path);
+    return;
+  }
   std::fprintf(f, "# %s\n# units:", label);
   for (size_t i = 0; i < units().size(); ++i) std::fprintf(f, " %zu=%s", i, units()[i].name);
   std::fprintf(f, "\n# ticket t_enter_ns t_waited_ns unit line grid_x grid_y grid_z\n");
@@ -48,10 +50,9 @@ void trace_dump(const char* path, const char* label) {
                  r[3] & 0xffffff, (r[3] >> 24) & 0xffffff, r[3] >> 48);
   }
   std::fclose(f);
-  DSV3_CUDA_CHECK(cudaMemset(g_buf, 0, sizeof(TraceBuf)));
 }
 #else
-bool trace_begin() { return false; }
+void trace_begin() {}
 void trace_dump(const char*, const char*) {}
 #endif
 
