@@ -10,7 +10,7 @@
 # dsv3_cuda_bench; "none" to skip), SANITIZE=1 (compute-sanitizer memcheck over the op tests),
 # ALT_NVFLAGS (build the kernels a second time with these nvcc flags as bench_alt and run BENCH_ARGS on
 # both, alternating ALT_ROUNDS times with ALT_ARGS if given), ALT_SRC (... or from the .cu files of this copy of src/, e.g.
-# an untracked alt/src carried along), LT_ARGS (run dsv3_cublaslt_bench with them), CLI=1 (also build `dsv3` with the bench command) and CLI_ARGS (run it, e.g. "bench --device cuda ...").
+# an untracked alt/src carried along), ALT2_NVFLAGS / ALT2_SRC (a third build, bench_alt2, in the same rounds), LT_ARGS (run dsv3_cublaslt_bench with them), CLI=1 (also build `dsv3` with the bench command) and CLI_ARGS (run it, e.g. "bench --device cuda ...").
 set -u
 cd "$(dirname "$0")/.."
 ROOT=$PWD
@@ -74,6 +74,14 @@ if [ -n "$ALT" ]; then  # a second build of the kernels (bench_alt) for A/B runs
     compile "$s" "$B/obj_alt/$(basename "$s").o" nvcc -I$ROOT/$ASRC $NVFLAGS ${ALT_NVFLAGS:-}
   done
 fi
+ALT2=${ALT2_NVFLAGS:-}${ALT2_SRC:-}
+if [ -n "$ALT2" ]; then  # a third build (bench_alt2: ALT2_NVFLAGS / ALT2_SRC), in the same A/B rounds
+  mkdir -p "$B/obj_alt2"
+  ASRC2=${ALT2_SRC:-src}
+  for s in $ASRC2/backend/cuda/*.cu; do
+    compile "$s" "$B/obj_alt2/$(basename "$s").o" nvcc -I$ROOT/$ASRC2 $NVFLAGS ${ALT2_NVFLAGS:-}
+  done
+fi
 wait
 fail=0
 ls "$B"/FAILED_* > /dev/null 2>&1 && fail=1
@@ -85,6 +93,9 @@ if [ $fail = 0 ]; then
   g++ -o "$B/ltbench" "$B/ltbench.o" $B/obj/*.o $LIBS || fail=1
   if [ -n "$ALT" ]; then
     g++ -o "$B/bench_alt" "$B/bench.o" $(ls $B/obj/*.o | grep -v '\.cu\.o$') $B/obj_alt/*.o $LIBS || fail=1
+  fi
+  if [ -n "$ALT2" ]; then
+    g++ -o "$B/bench_alt2" "$B/bench.o" $(ls $B/obj/*.o | grep -v '\.cu\.o$') $B/obj_alt2/*.o $LIBS || fail=1
   fi
   if [ "${CLI:-0}" = 1 ]; then g++ -o "$B/dsv3" $B/cli/*.o $B/obj/*.o $LIBS || fail=1; fi
 fi
@@ -107,8 +118,9 @@ if [ "$BENCH_ARGS" != none ]; then
   cat "$OUT/bench.log" | tee -a "$OUT/summary.txt"
   if [ -n "$ALT" ]; then  # A/B: alternate the two builds, ALT_ROUNDS times each
     for r in $(seq 1 ${ALT_ROUNDS:-2}); do
-      for v in bench_alt bench; do
-        log "$v ($([ $v = bench ] && echo default || echo "$ALT")) round $r: ${ALT_ARGS:-$BENCH_ARGS}"
+      for v in bench_alt $([ -n "$ALT2" ] && echo bench_alt2) bench; do
+        what=$ALT; [ $v = bench ] && what=default; [ $v = bench_alt2 ] && what=$ALT2
+        log "$v ($what) round $r: ${ALT_ARGS:-$BENCH_ARGS}"
         timeout ${BENCH_TIMEOUT:-200} "$B/$v" ${ALT_ARGS:-$BENCH_ARGS} > "$OUT/ab_${v}_$r.log" 2>&1
         grep -E "tok/s" "$OUT/ab_${v}_$r.log" | tee -a "$OUT/summary.txt"
       done

@@ -239,11 +239,11 @@ __device__ void tcv_run(const TcvJob& J, int64_t tile_base, char* smem) {
 #endif
   auto load = [&](int i, uint4* r) {  // act_off's two loads per row
     const int64_t o = int64_t(i) * ostep;
-    r[0] = ld_stream(pa + o), r[1] = ld_stream(pa + o + 64);
-    r[2] = ld_stream(pb + o), r[3] = ld_stream(pb + o + 64);
+    r[0] = ld_stream_tcv(pa + o), r[1] = ld_stream_tcv(pa + o + 64);
+    r[2] = ld_stream_tcv(pb + o), r[3] = ld_stream_tcv(pb + o + 64);
     if constexpr (FUSED) {
-      r[4] = ld_stream(qa + o), r[5] = ld_stream(qa + o + 64);
-      r[6] = ld_stream(qb + o), r[7] = ld_stream(qb + o + 64);
+      r[4] = ld_stream_tcv(qa + o), r[5] = ld_stream_tcv(qa + o + 64);
+      r[6] = ld_stream_tcv(qb + o), r[7] = ld_stream_tcv(qb + o + 64);
     }
   };
   uint4 buf[NB][NL];

@@ -153,36 +153,36 @@ __device__ void route_token_warp(const RouteArgs& ra, const float* __restrict__ 
 // expert's rank among all of them rather than by K serial warp-wide rounds, and the schedule
 // written directly (what group_pairs would make of it: pair row = rank by expert index, the
 // shared slices after the routed experts). topk_idx / topk_w: the choices in choice order
-// (tests). Every thread of the block must call it.
+// (tests). Every thread of the block must call it. Four barriers without groups: each
+// reduction's partials have their own buffer, and after the ranks every thread that writes a
+// pair reads the choices itself (the weight sum in choice order, its row by expert index).
 __device__ void route_one_block(const RouteArgs& ra, const float* __restrict__ logits, const float* __restrict__ bias,
                                 const MoeSched& s, int32_t* topk_idx, float* topk_w) {
   __shared__ float sc[kMaxE], ch[kMaxE], gs[kMaxG];
-  __shared__ double red[32];
-  __shared__ int order[kMaxK], wcnt[32];
-  __shared__ float wsum;
+  __shared__ double red[2][kMaxE / 32];
+  __shared__ int order[kMaxK];
   const int E = s.E, K = s.K, G = ra.G, per = E / G, e = threadIdx.x, lane = e & 31, warp = e >> 5;
-  const int nw = int(blockDim.x >> 5);
+  const int nw = (E + 31) >> 5;  // warps holding experts
   const bool live = e < E;
-  // Block-wide max or sum in double, the same value in every thread.
-  auto reduce = [&](double x, bool mx) {
+  // Max or sum in double over the live warps, the same value in every thread; buffer b.
+  auto reduce = [&](double x, bool mx, int b) {
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) {
       const double y = __shfl_xor_sync(0xffffffffu, x, o);
       x = mx ? fmax(x, y) : x + y;
     }
-    __syncthreads();  // red[] free
-    if (lane == 0) red[warp] = x;
+    if (lane == 0 && warp < nw) red[b][warp] = x;
     __syncthreads();
-    double r = red[0];
-    for (int w = 1; w < nw; ++w) r = mx ? fmax(r, red[w]) : r + red[w];
+    double r = red[b][0];
+    for (int w = 1; w < nw; ++w) r = mx ? fmax(r, red[b][w]) : r + red[b][w];
     return r;
   };
   const float v = live ? __ldcg(logits + e) : -INFINITY;  // written by other blocks (fused gate)
   float p = 0.f;
   if (!ra.sigmoid) {  // scores in double, rounded once, as model/gate.cc
-    const double mx = reduce(double(v), true);
+    const double mx = reduce(double(v), true, 0);
     const double ex = live ? exp(double(v) - mx) : 0.0;
-    const double sum = reduce(ex, false);
+    const double sum = reduce(ex, false, 1);
     p = float(ex / sum);
   } else if (live) {
     p = float(1.0 / (1.0 + exp(-double(v))));
@@ -209,6 +209,7 @@ __device__ void route_one_block(const RouteArgs& ra, const float* __restrict__ l
   if (live) {
     const float mine = ch[e];
     int rank = 0;
+#pragma unroll 8
     for (int f = 0; f < E; ++f) {
       const float c = ch[f];
       rank += c > mine || (c == mine && f < e);
@@ -217,26 +218,21 @@ __device__ void route_one_block(const RouteArgs& ra, const float* __restrict__ l
     if (chosen) order[rank] = e;
   }
   __syncthreads();
-  if (e == 0) {
+  if (chosen || (topk_idx && e < K)) {
     float sum = 0.f;
-    for (int k = 0; k < K; ++k) sum += sc[order[k]];  // in choice order, as gate.cc
-    wsum = sum;
-  }
-  __syncthreads();
-  auto weight_of = [&](float sc_e) {
-    float wv = sc_e;
-    if (ra.norm) wv /= wsum;
-    return wv * ra.route_scale;
-  };
-  if (topk_idx && e < K) topk_idx[e] = order[e], topk_w[e] = weight_of(sc[order[e]]);
-  // Routed choices by expert index: pair row = the number of chosen experts below it.
-  const unsigned msk = __ballot_sync(0xffffffffu, chosen);
-  if (lane == 0) wcnt[warp] = __popc(msk);
-  __syncthreads();
-  if (chosen) {
-    int pos = __popc(msk & ((1u << lane) - 1u));
-    for (int w = 0; w < warp; ++w) pos += wcnt[w];
-    one_token_slot(s, pos, e, weight_of(sc[e]));
+    int pos = 0;  // chosen experts below e: its pair row
+    for (int k = 0; k < K; ++k) {
+      const int o = order[k];
+      sum += sc[o];  // in choice order, as gate.cc
+      pos += o < e;
+    }
+    auto weight_of = [&](float sc_e) {
+      float wv = sc_e;
+      if (ra.norm) wv /= sum;
+      return wv * ra.route_scale;
+    };
+    if (topk_idx && e < K) topk_idx[e] = order[e], topk_w[e] = weight_of(sc[order[e]]);
+    if (chosen) one_token_slot(s, pos, e, weight_of(sc[e]));
   }
   if (e < s.S) one_token_slot(s, s.K + e, s.E + e, 1.f);  // shared slice e: pair row K + e
   if (e == 0) {
