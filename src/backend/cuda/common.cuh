@@ -138,12 +138,11 @@ __device__ __forceinline__ float block_max(float v, float* red) {
   return warp_max(t);
 }
 
-// 16 bytes of streamed weights: read once, not kept in L1.
-// Weights streamed once per step. ld_stream_first marks the lines evict-first in L2, so the
-// stream does not push out what the small kernels between reuse (activations, caches, partial
-// sums): the tensor-core GEMVs use it (H200: FP8 b1 +5%, bf16 b8 +1.3%; the FMA GEMVs of one
-// bf16 token measured no faster with it, so ld_stream stays a plain load unless
-// DSV3_STREAM_EVICT_FIRST=1, a measurement form).
+// 16 bytes of streamed weights: read once, not kept in L1. ld_stream_first also marks the lines
+// evict-first in L2, so the stream leaves in L2 the small data that other kernels reuse (the
+// e4m3 block scales among it): the tensor-core GEMVs use it (run24 on the H200: FP8 b1 +5%, b8
+// ~+1%). The FMA GEMVs of one bf16 token measured no faster with it, so ld_stream stays a plain
+// load unless DSV3_STREAM_EVICT_FIRST=1 (a measurement form; DSV3_TCV_EVICT_FIRST=0 the other).
 #ifndef DSV3_STREAM_EVICT_FIRST
 #define DSV3_STREAM_EVICT_FIRST 0
 #endif
