@@ -243,6 +243,11 @@ int main(int argc, char** argv) {
         o.pad_kernels = pad;
         vars.push_back({name, o, true, false});
       }
+      if (asked("gate-route")) {  // one token routed by the gate kernel's last block (route_in_experts off)
+        CudaOptions o = base;
+        o.route_in_experts = false;
+        vars.push_back({"gate-route", o, true, false});
+      }
       for (const std::string& v : only)  // ko-a+b: the default with kernel groups a and b not launched
         if (v.rfind("ko-", 0) == 0) {
           CudaOptions o = base;

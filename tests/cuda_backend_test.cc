@@ -617,11 +617,13 @@ TEST(CudaOps, MoeDecodePathsMatchRef) {
       L.moe_w.has_shared = true;
       keep.push_back(make_linear(DType::BF16, a.n_routed_experts, a.dim, 4242));
       L.moe_w.gate = keep.back().lin.weight;
-      // 0: default (tensor cores: e4m3, bf16 from 2 tokens), 1: bf16 at 1 too, 2: FMA only
-      for (int path = 0; path < 3; ++path) {
+      // 0: default (tensor cores: e4m3, bf16 from 2 tokens), 1: bf16 at 1 too, 2: FMA only;
+      // 3 and 4: 0 and 2 with one token routed by the gate kernel's last block, not the experts'
+      for (int path = 0; path < 5; ++path) {
         CudaOptions o = opts();
-        o.tc_gemv_bf16_min = path == 1 ? 1 : (path == 0 ? 2 : 0);
-        if (path == 2) o.tc_gemv_max = 0;
+        o.tc_gemv_bf16_min = path == 1 ? 1 : (path == 0 || path == 3 ? 2 : 0);
+        if (path == 2 || path == 4) o.tc_gemv_max = 0;
+        o.route_in_experts = path < 3;
         auto cuda = make_cuda_backend(o);
         ModelWeights dev = host;
         cuda->prepare_weights(a, dev);

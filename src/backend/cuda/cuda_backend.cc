@@ -63,6 +63,7 @@ CudaOptions CudaOptions::from_env() {
   o.profile = env_flag("DSV3_CUDA_PROFILE", o.profile);
   if (const char* k = std::getenv("DSV3_CUDA_KNOCKOUT")) o.knockout = k;
   o.pad_kernels = env_int("DSV3_CUDA_PAD_KERNELS", o.pad_kernels);
+  o.route_in_experts = env_flag("DSV3_CUDA_ROUTE_IN_EXPERTS", o.route_in_experts);
   return o;
 }
 
@@ -550,8 +551,12 @@ class CudaBackend final : public Backend {
     const float* bias = w.bias.empty() ? nullptr : w.bias.as<float>();
     const DevLinear gate = dev_linear(Linear{w.gate, {}});
     const int64_t P = s.P(), D = a.dim;
+    const bool gemvs = !tc && (n <= opt_.gemv_max || !T.gemm);
     if (n <= std::min(opt_.gemv_max, 8) && gate.t != cuda::kFP8 && !(use_tc(n) && tc_takes(gate))) {
-      if (!ko("gate")) cuda::gate_route(L_, gate, x, n, logits, r, bias, s, counter_);
+      // One token on the expert GEMVs: their blocks route it from the logits (no last-block router).
+      const bool rie = opt_.route_in_experts && gemvs && n == 1 && E <= 256 && !ko("experts");
+      if (!ko("gate")) cuda::gate_route(L_, gate, x, n, logits, r, bias, s, counter_, !rie);
+      if (rie) s.route_logits = logits, s.route_bias = bias, s.route = r;
     } else {
       run_linear(gate, x, n, logits, E, /*exact=*/true);  // routing: no bf16 shortcut
       mark("moe.route");
@@ -574,7 +579,7 @@ class CudaBackend final : public Backend {
       j1.c = o, j1.ldc = D;
       cuda::tc_gemm(L_, j1, s.max_tiles(), T.rows2);
     } else if (ko("experts")) {
-    } else if (n <= opt_.gemv_max || !T.gemm) {
+    } else if (gemvs) {
       // GEMVs: on tensor cores where they take the experts (tcv_moe), else the FMA kernels.
       float* h = f32(kMoeH, size_t(P * T.rows13));
       if (!ko("experts0") && !(T.tcv && cuda::tcv_moe(L_, 0, T.dev, T.rows13, T.wtype, s, x, D, h, T.rows13)))

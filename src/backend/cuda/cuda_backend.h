@@ -47,6 +47,9 @@ struct CudaOptions {
   bool progress = false; // a progress line while the weights go to the GPU (DSV3_CUDA_PROGRESS; default:
                          // when stderr is a terminal)
   size_t upload_chunk = size_t(64) << 20;  // bytes per pinned staging buffer of the weight upload (two)
+  bool route_in_experts = true; // one token's routing done by each routed block of the expert GEMVs from the
+                                 // gate's logits, not by the gate kernel's last block, so the gate ends
+                                 // with its GEMV (DSV3_CUDA_ROUTE_IN_EXPERTS=0: the last block routes)
   bool fp8_wgmma = true; // FP8 weights in the pipelined kernel's wgmma form (widened to bf16 in shared memory)
                          // for products of tc_min+ tokens; off: the WMMA GEMM (DSV3_CUDA_FP8_WGMMA=0)
   // A measurement aid, never for results: decode-step kernel groups not launched at all

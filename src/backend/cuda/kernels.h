@@ -202,6 +202,11 @@ void causal_softmax_rows(const Launch& L, float* S, int64_t rows, int64_t ld, in
 // Routing and the grouping of (token, expert) pairs by expert, all on the device.
 // "Experts" are the E routed ones followed by S slices of the shared experts that every token
 // uses with weight 1. Pair p (< P = n * (K + S)) is row p of the grouped buffers.
+struct RouteArgs {
+  int E = 0, K = 0, G = 1, topk_groups = 1;
+  bool sigmoid = false, norm = false;
+  float route_scale = 1.f;
+};
 struct MoeSched {
   int32_t* cnt = nullptr;      // [NE] pairs per expert
   int32_t* off = nullptr;      // [NE] first pair row of each expert
@@ -217,14 +222,16 @@ struct MoeSched {
   int64_t n = 0;
   int E = 0, K = 0, S = 0;
   int tile_rows = 64;          // rows per GEMM tile (64, or 128 for tc_gemm's large tiles)
+  // One token whose gate kernel wrote only the logits (gate_route with route = false): every
+  // routed block of the expert GEMVs routes it itself (route_one_block) and the first one of stage
+  // 0 writes the schedule (for the combine).
+  const float* route_logits = nullptr;
+  const float* route_bias = nullptr;
+  RouteArgs route;
   DSV3_HD int NE() const { return E + S; }
   DSV3_HD int64_t P() const { return n * (K + S); }
   DSV3_HD int64_t max_tiles() const { return (P() + 63) / 64 + NE(); }
-};
-struct RouteArgs {
-  int E = 0, K = 0, G = 1, topk_groups = 1;
-  bool sigmoid = false, norm = false;
-  float route_scale = 1.f;
+  DSV3_HD int64_t max_slots() const { return n * K + S < NE() ? n * K + S : NE(); }  // of an expert GEMV launch
 };
 // logits [n, E]; bias [E] or null. Fills `s`; topk_idx/topk_w [n, K] when given (tests).
 void moe_route(const Launch& L, const RouteArgs& r, const float* logits, const float* bias, const MoeSched& s,
@@ -247,9 +254,10 @@ void moe_combine(const Launch& L, const MoeSched& s, const float* o, int64_t d, 
 void moe_combine_add_rmsnorm(const Launch& L, const MoeSched& s, const float* o, int64_t d, float* y, float* h,
                              const float* w, float eps, float* x);
 // The gate GEMV (logits [n, E], n <= 8) and moe_route in one launch; `counter` is a zeroed
-// device word that the kernel leaves zeroed.
+// device word that the kernel leaves zeroed. route = false: the logits only (one token, routed by
+// the expert GEMVs: MoeSched::route_logits).
 void gate_route(const Launch& L, const DevLinear& gate, const float* x, int64_t n, float* logits, const RouteArgs& r,
-                const float* bias, const MoeSched& s, unsigned* counter);
+                const float* bias, const MoeSched& s, unsigned* counter, bool route = true);
 
 // ---- MLA (kernels_mla.cu; the decode attention, mla_decode_*: kernels_mla_decode.cu)
 struct MlaDims {

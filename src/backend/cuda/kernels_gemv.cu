@@ -340,7 +340,9 @@ __global__ void __launch_bounds__(kWarps * 32, 2) moe_gemv_kernel(int stage, con
   Job J;
   if (stage == 0) {
     J.a = X.w1, J.b = X.w3, J.fused = true;
-    J.x = in, J.ldx = ldin, J.idx = s.perm + off;
+    // A shared slice takes every token in order, and one token routed in the block is token 0:
+    // no permutation rows (the first routed block may still be writing them).
+    J.x = in, J.ldx = ldin, J.idx = int(blockIdx.y) < s.S || s.route_logits ? nullptr : s.perm + off;
     J.vec = X.vec13 && xvec;
   } else {
     J.a = X.w2, J.b = X.w2, J.fused = false;
@@ -419,7 +421,7 @@ __device__ __forceinline__ void gate_slice(const Job& J, int64_t r, int64_t t0, 
 // by the whole last block (route_one_block), more by a warp each and grouped (group_pairs).
 template <int WT, int NT>
 __global__ void __launch_bounds__(kWarps * 32, 2) gate_route_kernel(Job J, RouteArgs ra, const float* bias, MoeSched s,
-                                                                    unsigned* counter) {
+                                                                    unsigned* counter, bool route) {
   __shared__ float sc_s[kWarps][kMaxE], ch_s[kWarps][kMaxE];
   __shared__ float gs_s[kWarps][kMaxG];
   __shared__ float part[kWarps][NT];
@@ -451,7 +453,7 @@ __global__ void __launch_bounds__(kWarps * 32, 2) gate_route_kernel(Job J, Route
     __syncthreads();
   }
   if (DSV3_TRACE && threadIdx.x == 0 && blockIdx.x == 0) trace_point();  // block 0's gate row written
-  if (last_to_arrive(counter, gridDim.x)) {
+  if (route && last_to_arrive(counter, gridDim.x)) {
     if (DSV3_TRACE && threadIdx.x == 0) trace_point();  // the last block: routing starts
     if (s.n == 1) {  // one token: the block routes it and writes the schedule (no grouping)
       route_one_block(ra, J.y, bias, s, nullptr, nullptr);
@@ -554,7 +556,7 @@ bool gemv2_ok(const DevLinear& w, const DevLinear& w2, const float* x, int64_t m
 void moe_gemv(const Launch& L, int stage, const DevExpert* table, int64_t max_rows, int32_t wtype, const MoeSched& s,
               const float* in, int64_t ldin, float* out, int64_t ldout) {
   const int64_t groups = stage == 0 ? max_rows : (max_rows + 1) / 2;
-  const int64_t max_active = std::min<int64_t>(s.NE(), s.n * s.K + s.S);
+  const int64_t max_active = s.max_slots();
   const dim3 grid(gemv_blocks(groups, max_active, s.n == 1 ? 1 : 8), unsigned(max_active));
   const bool xvec = aligned16(in) && ldin % 4 == 0;
   const bool one = s.n == 1;  // each expert then sees exactly one token
@@ -575,7 +577,7 @@ void moe_gemv(const Launch& L, int stage, const DevExpert* table, int64_t max_ro
 }
 
 void gate_route(const Launch& L, const DevLinear& gate, const float* x, int64_t n, float* logits, const RouteArgs& r,
-                const float* bias, const MoeSched& s, unsigned* counter) {
+                const float* bias, const MoeSched& s, unsigned* counter, bool route) {
   DSV3_CHECK(n <= 8 && r.E <= kMaxE && r.K <= kMaxK && r.G <= kMaxG && s.S <= 16 && r.E % r.G == 0);
   Job J;
   J.a = J.b = gate;
@@ -585,12 +587,12 @@ void gate_route(const Launch& L, const DevLinear& gate, const float* x, int64_t 
   const dim3 grid(unsigned(gate.rows));  // a block per row
   const bool one = n == 1;
   if (gate.t == kBF16) {
-    if (one) launch(L, gate_route_kernel<kBF16, 1>, grid, dim3(kWarps * 32), 0, J, r, bias, s, counter);
-    else launch(L, gate_route_kernel<kBF16, 8>, grid, dim3(kWarps * 32), 0, J, r, bias, s, counter);
+    if (one) launch(L, gate_route_kernel<kBF16, 1>, grid, dim3(kWarps * 32), 0, J, r, bias, s, counter, route);
+    else launch(L, gate_route_kernel<kBF16, 8>, grid, dim3(kWarps * 32), 0, J, r, bias, s, counter, route);
   } else {
     DSV3_CHECK(gate.t == kF32, "MoE gate weight must be bf16 or float32 on the device");
-    if (one) launch(L, gate_route_kernel<kF32, 1>, grid, dim3(kWarps * 32), 0, J, r, bias, s, counter);
-    else launch(L, gate_route_kernel<kF32, 8>, grid, dim3(kWarps * 32), 0, J, r, bias, s, counter);
+    if (one) launch(L, gate_route_kernel<kF32, 1>, grid, dim3(kWarps * 32), 0, J, r, bias, s, counter, route);
+    else launch(L, gate_route_kernel<kF32, 8>, grid, dim3(kWarps * 32), 0, J, r, bias, s, counter, route);
   }
 }
 

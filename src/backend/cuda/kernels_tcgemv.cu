@@ -364,7 +364,7 @@ __global__ void __launch_bounds__(kTW * 32, 2) tcv_moe_kernel(int stage, const D
   const int64_t tb = int64_t(blockIdx.x) * (kTW / ks);
   if (stage == 0) {
     J.a = table[e].w1, J.b = table[e].w3;
-    J.x = in, J.idx = s.perm + off;
+    J.x = in, J.idx = int(blockIdx.y) < s.S || s.route_logits ? nullptr : s.perm + off;  // (as moe_gemv_kernel)
     tcv_run<WT, ONE, 1>(J, tb, smem);
   } else {
     J.a = table[e].w2;
@@ -490,7 +490,7 @@ bool tcv_moe(const Launch& L, int stage, const DevExpert* table, int64_t max_row
   const int64_t K = ldin;  // x or h rows: as wide as the largest K of the stage
   if (s.n > L.tcv_max || s.n > 8 || !(wtype == kFP8 || (wtype == kBF16 && bf16_ok(L, s.n))) || !x_ok(in, ldin, 0))
     return false;
-  const int64_t max_active = std::min<int64_t>(s.NE(), s.n * s.K + s.S);
+  const int64_t max_active = s.max_slots();
   const int64_t tiles = (max_rows + 15) / 16;
   const int ks = choose_ks(tiles * max_active, nit_of(wtype, K));
   const size_t smem = smem_bytes(wtype, K, int(s.n), ks, stage == 0);

@@ -156,11 +156,13 @@ __device__ void route_token_warp(const RouteArgs& ra, const float* __restrict__ 
 // (tests). Every thread of the block must call it. Four barriers without groups: each
 // reduction's partials have their own buffer, and after the ranks every thread that writes a
 // pair reads the choices itself (the weight sum in choice order, its row by expert index).
-__device__ void route_one_block(const RouteArgs& ra, const float* __restrict__ logits, const float* __restrict__ bias,
-                                const MoeSched& s, int32_t* topk_idx, float* topk_w) {
+// write = false: nothing is written (an expert block that needs only its own expert); want >= 0:
+// returns, in every thread, the chosen expert of that rank by expert index (a fifth barrier).
+__device__ int route_one_block(const RouteArgs& ra, const float* __restrict__ logits, const float* __restrict__ bias,
+                               const MoeSched& s, int32_t* topk_idx, float* topk_w, bool write = true, int want = -1) {
   __shared__ float sc[kMaxE], ch[kMaxE], gs[kMaxG];
   __shared__ double red[2][kMaxE / 32];
-  __shared__ int order[kMaxK];
+  __shared__ int order[kMaxK], by_index[kMaxK];
   const int E = s.E, K = s.K, G = ra.G, per = E / G, e = threadIdx.x, lane = e & 31, warp = e >> 5;
   const int nw = (E + 31) >> 5;  // warps holding experts
   const bool live = e < E;
@@ -231,14 +233,22 @@ __device__ void route_one_block(const RouteArgs& ra, const float* __restrict__ l
       if (ra.norm) wv /= sum;
       return wv * ra.route_scale;
     };
-    if (topk_idx && e < K) topk_idx[e] = order[e], topk_w[e] = weight_of(sc[order[e]]);
-    if (chosen) one_token_slot(s, pos, e, weight_of(sc[e]));
+    if (write && topk_idx && e < K) topk_idx[e] = order[e], topk_w[e] = weight_of(sc[order[e]]);
+    if (chosen) {
+      if (write) one_token_slot(s, pos, e, weight_of(sc[e]));
+      by_index[pos] = e;
+    }
   }
-  if (e < s.S) one_token_slot(s, s.K + e, s.E + e, 1.f);  // shared slice e: pair row K + e
-  if (e == 0) {
-    *s.n_active = s.K + s.S, *s.n_tiles = s.K + s.S;
-    if (s.experts_run) atomicAdd(s.experts_run, (unsigned long long)s.K);
+  if (write) {
+    if (e < s.S) one_token_slot(s, s.K + e, s.E + e, 1.f);  // shared slice e: pair row K + e
+    if (e == 0) {
+      *s.n_active = s.K + s.S, *s.n_tiles = s.K + s.S;
+      if (s.experts_run) atomicAdd(s.experts_run, (unsigned long long)s.K);
+    }
   }
+  if (want < 0) return -1;
+  __syncthreads();
+  return by_index[want];
 }
 
 // Counts pairs per expert, lays the experts out (offsets, active list, 64-row GEMM tiles; one
@@ -298,6 +308,14 @@ __device__ void group_pairs(const MoeSched& s, bool tiles) {
 // then: it is read (from L2) and the weights started on before waiting for stage 0's output.
 // false: no expert in this slot (the block has waited and triggered; it leaves).
 __device__ __forceinline__ bool expert_slot(const MoeSched& s, int stage, int y, int& e, int64_t& off, int64_t& cnt) {
+  if (s.route_logits && y >= s.S) {  // one token, routed here from the gate's logits
+    // Stage 0 waits for them; stage 1 comes two kernels after the gate and routes before its wait.
+    if (stage == 0) pdl_wait();
+    const bool write = stage == 0 && y == s.S && blockIdx.x == 0;  // the schedule, for the combine
+    e = route_one_block(s.route, s.route_logits, s.route_bias, s, nullptr, nullptr, write, y - s.S);
+    off = y - s.S, cnt = 1;
+    return true;
+  }
   const bool early = y < s.S || stage == 1;
   if (!early) pdl_wait();
   if (y < s.S) {  // shared slice y: every token, after all routed pairs (no schedule read needed)
