@@ -243,6 +243,16 @@ int main(int argc, char** argv) {
         o.pad_kernels = pad;
         vars.push_back({name, o, true, false});
       }
+      if (asked("attn-combine")) {  // one token's attention splits combined by its last block (vabs_splits off)
+        CudaOptions o = base;
+        o.vabs_splits = false;
+        vars.push_back({"attn-combine", o, true, false});
+      }
+      if (asked("norm-alone")) {  // one token's add + norm before the gate on its own (norm_in_gate off)
+        CudaOptions o = base;
+        o.norm_in_gate = false;
+        vars.push_back({"norm-alone", o, true, false});
+      }
       if (asked("gate-route")) {  // one token routed by the gate kernel's last block (route_in_experts off)
         CudaOptions o = base;
         o.route_in_experts = false;

@@ -674,6 +674,46 @@ TEST(CudaOps, MoeAddNormFusedMatchesRef) {
   }
 }
 
+// One token's "h += r; x = ffn_norm(h); y = moe(x)" with the add + norm done by the gate kernel
+// (norm_in_gate) or on its own, and the same add + norm followed by a linear instead (the kept
+// norm launched first): x, h and y against the reference ops.
+TEST(CudaOps, AddNormIntoGateMatchesRef) {
+  REQUIRE_GPU();
+  auto ref = make_ref_backend();
+  for (bool in_gate : {true, false}) {
+    CudaOptions o = opts();
+    o.norm_in_gate = in_gate;
+    auto cuda = make_cuda_backend(o);
+    for (std::string c : {"v2lite_bf16", "v2_groups_bf16", "v3_fp8"}) {
+      TwoWeights W(c, *cuda);
+      const ModelArgs& a = W.a;
+      const int64_t D = a.dim;
+      const LayerWeights& hl = W.host.layers[1];
+      const LayerWeights& dl = W.dev.layers[1];
+      ASSERT_TRUE(hl.moe) << c;
+      const std::vector<float> h0 = randn(size_t(D), 71), r = randn(size_t(D), 72);
+      std::vector<float> rh = h0, rx(static_cast<size_t>(D)), ry(static_cast<size_t>(D)),
+          rq(static_cast<size_t>(hl.attn.wkv_a.out()));
+      ref->add(rh.data(), r.data(), D);
+      ref->rmsnorm(rh.data(), 1, D, D, hl.ffn_norm, a.rms_norm_eps, rx.data());
+      ref->moe(a, hl.moe_w, rx.data(), 1, ry.data());
+      ref->linear(rx.data(), 1, hl.attn.wkv_a, rq.data());
+      for (bool then_moe : {true, false}) {
+        const std::string what = str(c, in_gate ? " in the gate" : " alone", then_moe ? ", then moe" : ", then a linear");
+        Dev hd(*cuda, h0), rd(*cuda, r), xd(*cuda, size_t(D)), yd(*cuda, size_t(then_moe ? D : rq.size()));
+        cuda->add(hd.p, rd.p, D);
+        cuda->rmsnorm(hd.p, 1, D, D, dl.ffn_norm, a.rms_norm_eps, xd.p);
+        if (then_moe) cuda->moe(a, dl.moe_w, xd.p, 1, yd.p);
+        else cuda->linear(xd.p, 1, dl.attn.wkv_a, yd.p);
+        EXPECT_LE(rel_l2(hd.get().data(), rh.data(), rh.size()), 1e-6) << what;
+        EXPECT_LE(rel_l2(xd.get().data(), rx.data(), rx.size()), 1e-6) << what;
+        const std::vector<float>& want = then_moe ? ry : rq;
+        EXPECT_LE(rel_l2(yd.get().data(), want.data(), want.size()), 5e-5) << what;
+      }
+    }
+  }
+}
+
 // MLA of a mixed call: three decode tokens in slots with cached history and a 7-token chunk
 // from position 0, against the ref on the same random cache; outputs and written cache rows.
 TEST(CudaOps, MlaMatchesRef) {
@@ -827,6 +867,64 @@ TEST(CudaOps, DecodeAttentionMatchesFloat64) {
             << " heads per block";
       }
     }
+}
+
+// One token's value absorption combining the decode attention's position splits itself
+// (mla_decode_attn with combine = false, then gemv_splits), bf16 and float32 wkv_b at the 16B
+// shape: the same numbers as the attention's own combine followed by the plain GEMV, and the
+// reference op's on the float64 attention. Positions 0 (one split) to 2047.
+TEST(CudaOps, ValueAbsorptionCombinesSplits) {
+  REQUIRE_GPU();
+  auto ref = make_ref_backend();
+  auto cuda = make_cuda_backend(opts());
+  cuda::MlaDims d;
+  d.H = 16, d.nope = 128, d.R = 64, d.C = 512, d.V = 128, d.max_len = 2048, d.scale = 0.0721f;
+  const int64_t H = d.H, C = d.C, R = d.R, V = d.V, KV = d.nope + d.V, ML = d.max_len;
+  const std::vector<float> qa = randn(size_t(H * C), 61), q = randn(size_t(H * d.qk()), 62),
+                           ckv = randn(size_t(ML * C), 63, 0.5f), cpe = randn(size_t(ML * R), 64, 0.5f);
+  Dev dqa(*cuda, qa), dq(*cuda, q), dkv(*cuda, ckv), dpe(*cuda, cpe), cnt(*cuda, 4096);
+  for (DType t : {DType::BF16, DType::F32}) {
+    HostLinear hw = make_linear(t, H * KV, C, 65);
+    const Linear dl = to_device(*cuda, hw.lin);
+    DevLinear wv = dev_linear_of(dl, H * KV, C);
+    wv.row0 = d.nope, wv.rows = V;  // head 0's value rows; the shift steps to head b's
+    cuda::GemvShift sh;
+    sh.xs = C, sh.ys = V, sh.wrows = KV;
+    cuda::Launch L;
+    ASSERT_TRUE(cuda::gemv_splits_ok(L, wv));
+    for (int32_t p : {0, 40, 700, 2047}) {
+      const cuda::DevPos tp{0, p};
+      Dev dpos(*cuda, pos_words(&tp, 1));
+      const auto* pp = reinterpret_cast<const cuda::DevPos*>(dpos.p);
+      const int ns = cuda::mla_decode_splits(d, 1, 0, 1);
+      Dev part(*cuda, size_t(ns * H * C)), ml(*cuda, size_t(ns * H * 2)), ol(*cuda, size_t(H * C));
+      Dev want(*cuda, std::vector<float>(size_t(H * V), std::nanf(""))), got(*cuda, want.get());
+      auto* counters = reinterpret_cast<unsigned*>(cnt.p);
+      cuda::mla_decode_attn(L, d, pp, 1, dqa.p, dq.p, dkv.p, dpe.p, ns, part.p, ml.p, counters, ol.p, true, 1);
+      cuda::gemv(L, wv, nullptr, ol.p, H * C, nullptr, 1, want.p, H * V, int(H), sh);
+      ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+      const std::vector<float> olh = ol.get(), wanth = want.get();
+      Dev ol2(*cuda, std::vector<float>(size_t(H * C), p == 0 ? 0.f : std::nanf("")));  // one split: ol is written
+      cuda::mla_decode_attn(L, d, pp, 1, dqa.p, dq.p, dkv.p, dpe.p, ns, part.p, ml.p, counters, ol2.p, true, 1, false);
+      cuda::gemv_splits(L, wv, int(H), sh, pp, ns, part.p, ml.p, ol2.p, got.p);
+      ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+      const std::vector<float> goth = got.get();
+      const std::string what = str(dtype_name(t), " position ", p, ", ", ns, " splits");
+      for (size_t e = 0; e < goth.size(); ++e) ASSERT_TRUE(std::isfinite(goth[e])) << what << ": NaN at " << e;
+      EXPECT_LE(rel_l2(goth.data(), wanth.data(), goth.size()), 1e-6) << what;
+      if (p > 0) {  // the combine left to the absorption: the attention wrote no ol
+        const std::vector<float> o2 = ol2.get();
+        EXPECT_TRUE(std::all_of(o2.begin(), o2.end(), [](float v) { return std::isnan(v); })) << what;
+      }
+      // The reference op on the GPU attention's latent, head by head.
+      std::vector<float> full(size_t(H * KV)), oracle(size_t(H * V));
+      for (int64_t b = 0; b < H; ++b) {
+        ref->linear(olh.data() + b * C, 1, hw.lin, full.data());
+        for (int64_t v = 0; v < V; ++v) oracle[size_t(b * V + v)] = full[size_t(b * KV + d.nope + v)];
+      }
+      EXPECT_LE(rel_l2(goth.data(), oracle.data(), goth.size()), 2e-6) << what;
+    }
+  }
 }
 
 // The decode q absorption of mla_prep_qabs at the 16B shape (nope 128, C 512, 16 heads), both

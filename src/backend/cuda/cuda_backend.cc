@@ -64,6 +64,8 @@ CudaOptions CudaOptions::from_env() {
   if (const char* k = std::getenv("DSV3_CUDA_KNOCKOUT")) o.knockout = k;
   o.pad_kernels = env_int("DSV3_CUDA_PAD_KERNELS", o.pad_kernels);
   o.route_in_experts = env_flag("DSV3_CUDA_ROUTE_IN_EXPERTS", o.route_in_experts);
+  o.vabs_splits = env_flag("DSV3_CUDA_VABS_SPLITS", o.vabs_splits);
+  o.norm_in_gate = env_flag("DSV3_CUDA_NORM_IN_GATE", o.norm_in_gate);
   return o;
 }
 
@@ -448,6 +450,10 @@ class CudaBackend final : public Backend {
           cuda::moe_combine_add_rmsnorm(L_, pmoe_.s, pmoe_.o, pmoe_.d, pmoe_.y, pend_.y, w.as<float>(), eps, y);
         pmoe_.active = false;
         if (opt_.pad_kernels) cuda::empty_kernels(L_, std::abs(opt_.pad_kernels), opt_.pad_kernels < 0);
+      } else if (opt_.norm_in_gate && n == 1 && cuda::gate_norm_ok(d) && !ko("norm")) {
+        // One token: kept for the next op; a MoE layer's gate kernel does it (moe), anything else
+        // launches it first (flush_norm).
+        pnorm_ = {pend_.y, pend_.x, w.as<float>(), eps, y, d};
       } else {
         mark("add+rmsnorm");
         if (!ko("norm")) cuda::add_rmsnorm(L_, pend_.y, pend_.x, n, d, w.as<float>(), eps, y);
@@ -473,6 +479,7 @@ class CudaBackend final : public Backend {
   }
 
   void linear(const float* x, int64_t n, const Linear& w, float* y) override {
+    flush_norm();
     const DevLinear dw = dev_linear(w);
     // Two GEMVs on the same activations (wq and wkv_a at decode) share one launch: the first one
     // waits in plin_ for the next op.
@@ -496,8 +503,17 @@ class CudaBackend final : public Backend {
     // MLPs, experts and the attention core.
     if (!ko("linear")) run_linear(dw, x, n, y, w.out(), /*exact=*/true);
   }
-  // The linear waiting for a partner, alone.
+  // The add + norm waiting for a MoE gate, alone.
+  void flush_norm() {
+    if (!pnorm_.h) return;
+    const cuda::GateNorm p = pnorm_;
+    pnorm_ = {};
+    mark("add+rmsnorm");
+    cuda::add_rmsnorm(L_, p.h, p.r, 1, p.d, p.w, p.eps, p.x);
+  }
+  // The linear waiting for a partner, alone (after the add + norm that may feed it).
   void flush_linear() {
+    flush_norm();
     if (!plin_.x) return;
     const PendingLinear p = plin_;
     plin_ = {};
@@ -536,6 +552,9 @@ class CudaBackend final : public Backend {
   }
 
   void moe(const ModelArgs& a, const MoEWeights& w, const float* x, int64_t n, float* y) override {
+    cuda::GateNorm norm = pnorm_;  // the add + norm that made x, for the gate kernel to do
+    if (norm.x == x && n == 1) pnorm_ = {};
+    else norm = {};
     flush_add();
     mark("moe.gate");
     const MoeTable& T = moe_table(a, w);
@@ -552,10 +571,16 @@ class CudaBackend final : public Backend {
     const DevLinear gate = dev_linear(Linear{w.gate, {}});
     const int64_t P = s.P(), D = a.dim;
     const bool gemvs = !tc && (n <= opt_.gemv_max || !T.gemm);
-    if (n <= std::min(opt_.gemv_max, 8) && gate.t != cuda::kFP8 && !(use_tc(n) && tc_takes(gate))) {
+    const bool fused_gate = n <= std::min(opt_.gemv_max, 8) && gate.t != cuda::kFP8 && !(use_tc(n) && tc_takes(gate));
+    if (norm.h && !(fused_gate && !ko("gate"))) {  // the add + norm alone after all
+      mark("add+rmsnorm");
+      cuda::add_rmsnorm(L_, norm.h, norm.r, 1, norm.d, norm.w, norm.eps, norm.x);
+      norm = {};
+    }
+    if (fused_gate) {
       // One token on the expert GEMVs: their blocks route it from the logits (no last-block router).
       const bool rie = opt_.route_in_experts && gemvs && n == 1 && E <= 256 && !ko("experts");
-      if (!ko("gate")) cuda::gate_route(L_, gate, x, n, logits, r, bias, s, counter_, !rie);
+      if (!ko("gate")) cuda::gate_route(L_, gate, x, n, logits, r, bias, s, counter_, !rie, norm.h ? &norm : nullptr);
       if (rie) s.route_logits = logits, s.route_bias = bias, s.route = r;
     } else {
       run_linear(gate, x, n, logits, E, /*exact=*/true);  // routing: no bf16 shortcut
@@ -620,6 +645,12 @@ class CudaBackend final : public Backend {
         return;
       }
       float* ol = f32(kKvb, size_t(n * H * C));
+      const DevLinear wv = slice(wkv_b, nope, V, 0, C);
+      cuda::GemvShift sh;
+      sh.xs = C, sh.ys = V, sh.wrows = nope + V;
+      bool splits_to_vabs = false;  // one token: the value absorption combines the attention's splits
+      int vns = 1;
+      float *vpart = nullptr, *vml = nullptr;
       {
         float* qa = f32(kLat, size_t(n * H * C));
         if (ko("prep")) {
@@ -640,8 +671,11 @@ class CudaBackend final : public Backend {
         if (ko("attn")) {
         } else if (one) {
           mark("mla.attn1");
+          splits_to_vabs = opt_.vabs_splits && n == 1 && ns > 1 && opt_.decode_attn_warps && !ko("out") &&
+                           !(use_tc(n) && tc_takes(wv)) && cuda::gemv_splits_ok(L_, wv);
+          vns = ns, vpart = part, vml = ml;
           cuda::mla_decode_attn(L_, d, pos, n, qa, q, cache.kv, cache.pe, ns, part, ml, attn_counters_, ol,
-                                opt_.decode_attn_warps, hb);
+                                opt_.decode_attn_warps, hb, !splits_to_vabs);
         } else {
           float* S = f32(kS, size_t(n * H * max_len));
           mark("mla.scores");
@@ -652,10 +686,11 @@ class CudaBackend final : public Backend {
       }
       // out[i, h*V + v] = ol[i, h, :] · wkv_b[h*(nope+V) + nope + v, :], a GEMV per head.
       mark("mla.out");
-      const DevLinear wv = slice(wkv_b, nope, V, 0, C);
-      cuda::GemvShift sh;
-      sh.xs = C, sh.ys = V, sh.wrows = nope + V;
       if (ko("out")) return;
+      if (splits_to_vabs) {
+        cuda::gemv_splits(L_, wv, int(H), sh, pos, vns, vpart, vml, ol, out);
+        return;
+      }
       if (use_tc(n) && tc_takes(wv)) {
         cuda::TcJob j;
         j.a_hi = scratch(kHi2, size_t(n * H * C) * 2);
@@ -1138,6 +1173,7 @@ class CudaBackend final : public Backend {
     float* y = nullptr;
     bool active = false;
   } pmoe_;
+  cuda::GateNorm pnorm_;  // an add + norm of one token, kept for the next op (rmsnorm)
   std::vector<std::pair<std::string, cudaEvent_t>> marks_;
   std::vector<cudaEvent_t> free_events_;
   std::map<std::string, double> prof_;

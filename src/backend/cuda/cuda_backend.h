@@ -50,6 +50,12 @@ struct CudaOptions {
   bool route_in_experts = true; // one token's routing done by each routed block of the expert GEMVs from the
                                  // gate's logits, not by the gate kernel's last block, so the gate ends
                                  // with its GEMV (DSV3_CUDA_ROUTE_IN_EXPERTS=0: the last block routes)
+  bool vabs_splits = true; // one token's value absorption combines the decode attention's position splits
+                           // itself (gemv_splits; where the FMA GEMV takes wkv_b), so the attention has
+                           // no last-block combine (DSV3_CUDA_VABS_SPLITS=0: the attention combines)
+  bool norm_in_gate = true; // one token's residual add + norm before a MoE layer done by the gate kernel's
+                            // blocks (each for its row, block 0 writing h and x): one kernel fewer
+                            // (DSV3_CUDA_NORM_IN_GATE=0: add_rmsnorm launched on its own)
   bool fp8_wgmma = true; // FP8 weights in the pipelined kernel's wgmma form (widened to bf16 in shared memory)
                          // for products of tc_min+ tokens; off: the WMMA GEMM (DSV3_CUDA_FP8_WGMMA=0)
   // A measurement aid, never for results: decode-step kernel groups not launched at all

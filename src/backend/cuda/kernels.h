@@ -112,6 +112,13 @@ void gemv(const Launch& L, const DevLinear& w, const DevLinear* w3, const float*
 // y[j * w.rows + r] = x_j · w[r], y2[j * w2.rows + r] = x_j · w2[r]. gemv2_ok: same dtype and K,
 // 16-byte rows and x.
 bool gemv2_ok(const DevLinear& w, const DevLinear& w2, const float* x, int64_t m);
+// One token's value absorption after mla_decode_attn with combine = false: head b's input is the
+// token's position splits of part [nsplit][heads][C] combined as ml [nsplit][heads][2] weighs them
+// (ol [heads][C] where its length took one split), then y[b * shift.ys + r] = that ·
+// w[b * shift.wrows + r] (C = w.cols). gemv_splits_ok: the FMA streaming GEMV would take w (C <= 512).
+bool gemv_splits_ok(const Launch& L, const DevLinear& w);
+void gemv_splits(const Launch& L, const DevLinear& w, int heads, GemvShift shift, const DevPos* pos, int nsplit,
+                 const float* part, const float* ml, const float* ol, float* y);
 void gemv2(const Launch& L, const DevLinear& w, float* y, const DevLinear& w2, float* y2, const float* x, int64_t m);
 
 // ---- the same products of m <= 8 tokens on tensor cores (kernels_tcgemv.cu); gemv, gemv2 and
@@ -253,11 +260,23 @@ void moe_combine(const Launch& L, const MoeSched& s, const float* o, int64_t d, 
 // moe_combine, then h += y and x = rmsnorm(h) * w.
 void moe_combine_add_rmsnorm(const Launch& L, const MoeSched& s, const float* o, int64_t d, float* y, float* h,
                              const float* w, float eps, float* x);
+// The layer's residual add and norm before the gate, for one token (add_rmsnorm's h += r and
+// x = rmsnorm(h) * w, d values): gate_norm_ok(d).
+struct GateNorm {
+  float* h = nullptr;
+  const float* r = nullptr;
+  const float* w = nullptr;
+  float eps = 0.f;
+  float* x = nullptr;
+  int64_t d = 0;
+};
+bool gate_norm_ok(int64_t d);
 // The gate GEMV (logits [n, E], n <= 8) and moe_route in one launch; `counter` is a zeroed
 // device word that the kernel leaves zeroed. route = false: the logits only (one token, routed by
-// the expert GEMVs: MoeSched::route_logits).
+// the expert GEMVs: MoeSched::route_logits). norm: the add + norm first (x is then norm->x).
 void gate_route(const Launch& L, const DevLinear& gate, const float* x, int64_t n, float* logits, const RouteArgs& r,
-                const float* bias, const MoeSched& s, unsigned* counter, bool route = true);
+                const float* bias, const MoeSched& s, unsigned* counter, bool route = true,
+                const GateNorm* norm = nullptr);
 
 // ---- MLA (kernels_mla.cu; the decode attention, mla_decode_*: kernels_mla_decode.cu)
 struct MlaDims {
@@ -313,7 +332,9 @@ int mla_decode_splits(const MlaDims& d, int64_t n, int cap = 0, int hb = 2);
 void mla_decode_attn(const Launch& L, const MlaDims& d, const DevPos* pos, int64_t n, const float* qa, const float* q,
                      const float* cache_kv, const float* cache_pe, int nsplit, float* part, float* ml,
                      unsigned* counters, float* ol, bool warps = true,  // warps: each warp's rows folded in
-                     int hb = 2);                                       // as loaded; else score/softmax/value passes
+                     int hb = 2,                                        // as loaded; else score/softmax/value passes
+                     bool combine = true);  // false (warps only): with several splits, only part and ml are
+                                            // written (gemv_splits combines them)
 // Naive: k_nope and v of the new tokens from kvb [n, H * (nope + V)] into the caches.
 void mla_naive_store(const Launch& L, const MlaDims& d, const DevPos* pos, int64_t n, const float* kvb,
                      float* cache_k, float* cache_v);

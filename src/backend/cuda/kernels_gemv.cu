@@ -3,6 +3,7 @@
 // hardware conversion, times its 128x128 block scale), and dots them with up to NT tokens'
 // float32 activations (read through L1). float32 accumulation throughout.
 #include "backend/cuda/common.cuh"
+#include "backend/cuda/mla_splits.cuh"
 #include "backend/cuda/moe_route.cuh"
 #include <algorithm>
 
@@ -23,8 +24,9 @@ constexpr int kWarps = 8;  // 256 threads per block
 template <int NT>
 __host__ __device__ constexpr int unroll() { return NT == 1 ? 8 : 4; }
 
-// acc[j] += (w · x_j[k .. k + CE)) * scale for the live tokens.
-template <int WT, int NT>
+// acc[j] += (w · x_j[k .. k + CE)) * scale for the live tokens. SX: x in shared memory (plain
+// loads), else global through the read-only path.
+template <int WT, int NT, bool SX = false>
 __device__ __forceinline__ void chunk_dot(const float* w, float scale, const float* const* xr, int64_t k, float* acc) {
   constexpr int CE = chunk_elems<WT>();
 #pragma unroll
@@ -34,7 +36,7 @@ __device__ __forceinline__ void chunk_dot(const float* w, float scale, const flo
     float s = 0.f;
 #pragma unroll
     for (int q = 0; q < CE / 4; ++q) {
-      const float4 xv = __ldg(xp + q);
+      const float4 xv = SX ? xp[q] : __ldg(xp + q);
       s = fmaf(w[4 * q], xv.x, s);
       s = fmaf(w[4 * q + 1], xv.y, s);
       s = fmaf(w[4 * q + 2], xv.z, s);
@@ -155,8 +157,8 @@ __device__ void warp_rows(const Job& J, int64_t ra, int64_t rb) {
 template <int NT>
 __host__ __device__ constexpr int pipe_unroll() { return NT == 1 ? 4 : 2; }
 
-template <int WT, int NT, bool TWO = false>  // TWO: a second weight J.c after J.a's row groups
-struct Stream {
+template <int WT, int NT, bool TWO = false, bool SX = false>  // TWO: a second weight J.c after J.a's row
+struct Stream {                                                // groups; SX: x in shared memory
   static constexpr int CE = chunk_elems<WT>(), PU = pipe_unroll<NT>();
   const Job& J;
   int64_t nch, nb, ngroups, stride;
@@ -229,10 +231,10 @@ struct Stream {
         const int64_t k = c * CE;
         float w[CE];
         decode<WT>(wa[u], w);
-        chunk_dot<WT, NT>(w, WT == kFP8 ? sa[(A.col0 + k) >> 7] : 1.f, xr, k, a0);
+        chunk_dot<WT, NT, SX>(w, WT == kFP8 ? sa[(A.col0 + k) >> 7] : 1.f, xr, k, a0);
         if (rb >= 0) {
           decode<WT>(wb[u], w);
-          chunk_dot<WT, NT>(w, WT == kFP8 ? sb[(B.col0 + k) >> 7] : 1.f, xr, k, a1);
+          chunk_dot<WT, NT, SX>(w, WT == kFP8 ? sb[(B.col0 + k) >> 7] : 1.f, xr, k, a1);
         }
       }
     }
@@ -264,19 +266,26 @@ struct Stream {
   }
 };
 
-// Row groups first, first + stride, ... of one job; calls pdl_wait before reading activations.
-template <int WT, int NT, bool TWO = false>
-__device__ void run_stream(const Job& J, int64_t first, int64_t stride, bool prefetch) {
-  Stream<WT, NT, TWO> S(J, first, stride);
-  constexpr int PU = Stream<WT, NT, TWO>::PU;
+struct NoStaging {
+  __device__ void operator()() const {}
+};
+
+// Row groups first, first + stride, ... of one job; calls pdl_wait before reading activations,
+// then stage() (every thread of the block: it may sync the block, e.g. to stage x in shared memory).
+template <int WT, int NT, bool TWO = false, bool SX = false, class Stage = NoStaging>
+__device__ void run_stream(const Job& J, int64_t first, int64_t stride, bool prefetch, Stage stage = Stage()) {
+  Stream<WT, NT, TWO, SX> S(J, first, stride);
+  constexpr int PU = Stream<WT, NT, TWO, SX>::PU;
   if (first >= S.ngroups) {
     pdl_wait();
+    stage();
     return;
   }
   uint4 ca[PU], cb[PU], na[PU], nb_[PU];
   int64_t g = first, b = 0;
   if (prefetch) S.load(g, b, ca, cb);
   pdl_wait();
+  stage();
   if (!prefetch) S.load(g, b, ca, cb);
   const float* xr[NT];
 #pragma unroll
@@ -328,6 +337,42 @@ __global__ void __launch_bounds__(kWarps * 32, 2) gemv_kernel(Job J, GemvShift s
   pdl_trigger();
 }
 
+constexpr int kSplitsMaxC = 512;  // gemv_splits: the widest x staged in shared memory
+
+// One token's value absorption, its decode attention's position splits combined here
+// (blockIdx.y: head b): x_b in shared memory (the splits weighted as combine_splits does, or ol
+// where the token's length took one split), then the streaming GEMV of head b's rows on it.
+template <int WT>
+__global__ void __launch_bounds__(kWarps * 32, 2) gemv_splits_kernel(Job J, GemvShift sh, const DevPos* pos, int nsplit,
+                                                                     const float* part, const float* ml,
+                                                                     const float* ol, int heads) {
+  __shared__ __align__(16) float xs[kSplitsMaxC];
+  __shared__ float fz[kDecMaxSplits];
+  __shared__ float lsum;
+  const int64_t b = blockIdx.y, C = J.a.cols;
+  J.y += b * sh.ys;
+  J.a.row0 += b * sh.wrows;
+  J.b.row0 += b * sh.wrows;
+  J.x = xs;
+  auto stage = [&] {
+    const int ns = dec_splits(int64_t(pos[0].pos) + 1, nsplit);  // (pos: copied before the step's first kernel)
+    if (ns == 1) {
+      for (int64_t c = threadIdx.x; c < C; c += blockDim.x) xs[c] = __ldcg(ol + b * C + c);
+    } else {
+      if (threadIdx.x < 32) {
+        const float L = split_factors(ml, ns, heads, b, fz);
+        if (threadIdx.x == 0) lsum = L;
+      }
+      __syncthreads();
+      for (int64_t c = threadIdx.x; c < C; c += blockDim.x) xs[c] = split_column(part, ns, heads, C, b, c, fz, lsum);
+    }
+    __syncthreads();
+  };
+  const int64_t first = int64_t(blockIdx.x) * kWarps + (threadIdx.x >> 5), stride = int64_t(gridDim.x) * kWarps;
+  run_stream<WT, 1, false, true>(J, first, stride, true, stage);
+  pdl_trigger();
+}
+
 // blockIdx.y: an expert slot (expert_slot).
 template <int WT, int NT>
 __global__ void __launch_bounds__(kWarps * 32, 2) moe_gemv_kernel(int stage, const DevExpert* __restrict__ table,
@@ -335,7 +380,7 @@ __global__ void __launch_bounds__(kWarps * 32, 2) moe_gemv_kernel(int stage, con
                                                                   float* out, int64_t ldout) {
   int e;
   int64_t off, cnt;
-  if (!expert_slot(s, stage, blockIdx.y, e, off, cnt)) return;
+  if (!expert_slot<NT == 1>(s, stage, blockIdx.y, e, off, cnt)) return;
   const DevExpert& X = table[e];
   Job J;
   if (stage == 0) {
@@ -379,8 +424,8 @@ __device__ __forceinline__ void gate_first(const Job& J, int64_t r, uint4* w4) {
 
 // Gate row r's partial dot products with NT tokens over the warp's share of K (kWarps equal
 // slices of the 16-byte chunks; elements when not vectorisable): acc[j] for token t0 + j.
-// first: the lane's first batch already loaded (gate_first), or null.
-template <int WT, int NT>
+// first: the lane's first batch already loaded (gate_first), or null. SX: x in shared memory.
+template <int WT, int NT, bool SX = false>
 __device__ __forceinline__ void gate_slice(const Job& J, int64_t r, int64_t t0, float* acc, const uint4* first) {
   constexpr int CE = chunk_elems<WT>(), U = kGateU;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -401,7 +446,7 @@ __device__ __forceinline__ void gate_slice(const Job& J, int64_t r, int64_t t0, 
         if (c0 + 32 * u >= hi) break;
         float w[CE];
         decode<WT>(w4[u], w);
-        chunk_dot<WT, NT>(w, 1.f, xr, (c0 + 32 * u) * CE, acc);
+        chunk_dot<WT, NT, SX>(w, 1.f, xr, (c0 + 32 * u) * CE, acc);
       }
     }
   } else {
@@ -415,29 +460,70 @@ __device__ __forceinline__ void gate_slice(const Job& J, int64_t r, int64_t t0, 
   }
 }
 
+constexpr int kNormPer = 8;                       // gate_route's residual add + norm: values per thread
+constexpr int kNormMaxD = kWarps * 32 * kNormPer;  // ... and rows of up to this many
+
 // The MoE gate for a few tokens (logits to J.y) with the router run by whichever block finishes
 // last (a device counter, reset by it): one launch instead of two. A block per gate row, its
 // warps splitting K, so the gate's few rows are read by many SMs at once; one token is routed
 // by the whole last block (route_one_block), more by a warp each and grouped (group_pairs).
-template <int WT, int NT>
+// NORM (one token): the layer's residual add and norm before it (add_rmsnorm's arithmetic) done
+// by every block for its own row into shared memory, block 0 writing h and x for the kernels after.
+template <int WT, int NT, bool NORM = false>
 __global__ void __launch_bounds__(kWarps * 32, 2) gate_route_kernel(Job J, RouteArgs ra, const float* bias, MoeSched s,
-                                                                    unsigned* counter, bool route) {
+                                                                    unsigned* counter, bool route, GateNorm an) {
   __shared__ float sc_s[kWarps][kMaxE], ch_s[kWarps][kMaxE];
   __shared__ float gs_s[kWarps][kMaxG];
   __shared__ float part[kWarps][NT];
+  __shared__ __align__(16) float xs[NORM ? kNormMaxD : 4];
+  __shared__ float red[33];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int64_t r = blockIdx.x;
   uint4 first[kGateU];
   if (J.vec) gate_first<WT>(J, r, first);
+  float hv[kNormPer], wv[kNormPer];
+  if (NORM) {  // before the wait: the norm weights and h (last written several kernels back, as add_rmsnorm)
+#pragma unroll
+    for (int j = 0; j < kNormPer; ++j) {
+      const int64_t k = threadIdx.x + int64_t(j) * blockDim.x;
+      wv[j] = k < an.d ? an.w[k] : 0.f;
+      hv[j] = k < an.d ? __ldcg(an.h + k) : 0.f;
+    }
+  }
   // The trigger comes right after the wait: the expert kernel's blocks may start and load the
   // shared experts' first weights while the last block routes.
   pdl_wait();
   pdl_trigger();
+  if (NORM) {
+    float rv[kNormPer], ss = 0.f;
+#pragma unroll
+    for (int j = 0; j < kNormPer; ++j) {
+      const int64_t k = threadIdx.x + int64_t(j) * blockDim.x;
+      rv[j] = k < an.d ? an.r[k] : 0.f;
+    }
+#pragma unroll
+    for (int j = 0; j < kNormPer; ++j) {
+      hv[j] += rv[j];
+      ss += hv[j] * hv[j];  // (0 past d)
+    }
+    ss = block_sum(ss, red);
+    const float rr = 1.f / sqrtf(ss / float(an.d) + an.eps);
+#pragma unroll
+    for (int j = 0; j < kNormPer; ++j) {
+      const int64_t k = threadIdx.x + int64_t(j) * blockDim.x;
+      if (k >= an.d) break;
+      const float xv = hv[j] * rr * wv[j];
+      xs[k] = xv;
+      if (blockIdx.x == 0) an.h[k] = hv[j], an.x[k] = xv;
+    }
+    __syncthreads();
+    J.x = xs;
+  }
   for (int64_t t0 = 0; t0 < J.m; t0 += NT) {
     float acc[NT];
 #pragma unroll
     for (int j = 0; j < NT; ++j) acc[j] = 0.f;
-    gate_slice<WT, NT>(J, r, t0, acc, J.vec && t0 == 0 ? first : nullptr);
+    gate_slice<WT, NT, NORM>(J, r, t0, acc, J.vec && t0 == 0 ? first : nullptr);
 #pragma unroll
     for (int j = 0; j < NT; ++j) acc[j] = warp_sum(acc[j]);
     if (lane == 0)
@@ -548,6 +634,31 @@ void gemv2(const Launch& L, const DevLinear& w, float* y, const DevLinear& w2, f
   }
 }
 
+bool gate_norm_ok(int64_t d) { return d >= 1 && d <= kNormMaxD && d % 4 == 0; }
+
+bool gemv_splits_ok(const Launch& L, const DevLinear& w) {
+  // Where the tensor-core GEMV would take the weights, the attention combines its splits as before.
+  const bool tcv = L.tcv_max >= 1 && (w.t == kFP8 || (w.t == kBF16 && L.tcv_bf16_min == 1));
+  return !tcv && vec_ok(w) && w.cols <= kSplitsMaxC && w.cols % 16 == 0;
+}
+
+void gemv_splits(const Launch& L, const DevLinear& w, int heads, GemvShift shift, const DevPos* pos, int nsplit,
+                 const float* part, const float* ml, const float* ol, float* y) {
+  DSV3_CHECK(gemv_splits_ok(L, w) && nsplit >= 1 && nsplit <= kDecMaxSplits && heads >= 1, "gemv_splits: ", w.cols,
+             " columns, ", nsplit, " splits");
+  Job J;
+  J.a = J.b = w;
+  J.fused = false;
+  J.x = nullptr, J.ldx = w.cols, J.idx = nullptr, J.m = 1, J.y = y, J.ldy = 0;
+  J.vec = true;
+  const dim3 grid(gemv_blocks((w.rows + 1) / 2, heads, 1), unsigned(heads));
+  switch (w.t) {
+    case kBF16: launch(L, gemv_splits_kernel<kBF16>, grid, dim3(kWarps * 32), 0, J, shift, pos, nsplit, part, ml, ol, heads); break;
+    case kFP8: launch(L, gemv_splits_kernel<kFP8>, grid, dim3(kWarps * 32), 0, J, shift, pos, nsplit, part, ml, ol, heads); break;
+    default: launch(L, gemv_splits_kernel<kF32>, grid, dim3(kWarps * 32), 0, J, shift, pos, nsplit, part, ml, ol, heads); break;
+  }
+}
+
 bool gemv2_ok(const DevLinear& w, const DevLinear& w2, const float* x, int64_t m) {
   return m >= 1 && m <= 8 && w.t == w2.t && w.cols == w2.cols && w.cols % 4 == 0 && aligned16(x) && vec_ok(w) &&
          vec_ok(w2);
@@ -577,22 +688,28 @@ void moe_gemv(const Launch& L, int stage, const DevExpert* table, int64_t max_ro
 }
 
 void gate_route(const Launch& L, const DevLinear& gate, const float* x, int64_t n, float* logits, const RouteArgs& r,
-                const float* bias, const MoeSched& s, unsigned* counter, bool route) {
+                const float* bias, const MoeSched& s, unsigned* counter, bool route, const GateNorm* an) {
   DSV3_CHECK(n <= 8 && r.E <= kMaxE && r.K <= kMaxK && r.G <= kMaxG && s.S <= 16 && r.E % r.G == 0);
   Job J;
   J.a = J.b = gate;
   J.fused = false;
   J.x = x, J.ldx = gate.cols, J.idx = nullptr, J.m = n, J.y = logits, J.ldy = gate.rows;
   J.vec = aligned16(x) && gate.cols % 4 == 0 && vec_ok(gate);
+  const bool norm = an != nullptr;
+  DSV3_CHECK(!norm || (n == 1 && gate_norm_ok(an->d)), "gate_route: the residual add + norm of ", an ? an->d : 0,
+             " values at ", n, " tokens");
+  const GateNorm N = norm ? *an : GateNorm{};
   const dim3 grid(unsigned(gate.rows));  // a block per row
   const bool one = n == 1;
   if (gate.t == kBF16) {
-    if (one) launch(L, gate_route_kernel<kBF16, 1>, grid, dim3(kWarps * 32), 0, J, r, bias, s, counter, route);
-    else launch(L, gate_route_kernel<kBF16, 8>, grid, dim3(kWarps * 32), 0, J, r, bias, s, counter, route);
+    if (norm) launch(L, gate_route_kernel<kBF16, 1, true>, grid, dim3(kWarps * 32), 0, J, r, bias, s, counter, route, N);
+    else if (one) launch(L, gate_route_kernel<kBF16, 1>, grid, dim3(kWarps * 32), 0, J, r, bias, s, counter, route, N);
+    else launch(L, gate_route_kernel<kBF16, 8>, grid, dim3(kWarps * 32), 0, J, r, bias, s, counter, route, N);
   } else {
     DSV3_CHECK(gate.t == kF32, "MoE gate weight must be bf16 or float32 on the device");
-    if (one) launch(L, gate_route_kernel<kF32, 1>, grid, dim3(kWarps * 32), 0, J, r, bias, s, counter, route);
-    else launch(L, gate_route_kernel<kF32, 8>, grid, dim3(kWarps * 32), 0, J, r, bias, s, counter, route);
+    if (norm) launch(L, gate_route_kernel<kF32, 1, true>, grid, dim3(kWarps * 32), 0, J, r, bias, s, counter, route, N);
+    else if (one) launch(L, gate_route_kernel<kF32, 1>, grid, dim3(kWarps * 32), 0, J, r, bias, s, counter, route, N);
+    else launch(L, gate_route_kernel<kF32, 8>, grid, dim3(kWarps * 32), 0, J, r, bias, s, counter, route, N);
   }
 }
 

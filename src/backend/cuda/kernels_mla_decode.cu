@@ -5,6 +5,7 @@
 #include <algorithm>
 
 #include "backend/cuda/common.cuh"
+#include "backend/cuda/mla_splits.cuh"
 #include "core/error.h"
 
 namespace dsv3::cuda {
@@ -19,14 +20,7 @@ constexpr int kMaxJ = 18;  // (kv_lora_rank + rope) / 32 held per lane: up to 57
 // token's length on the device (a recorded step replays at any position): the length over the
 // launch's splits, rounded up to whole kDecMinChunk (a block's round of score rows), so short
 // caches spread over several blocks with one short chain of loads each.
-constexpr int kDecPass = 128, kDecCols = 2;  // positions per pass; latent columns per thread (C <= 512)
-constexpr int kDecMaxSplits = kDecPass;      // the split factors reuse the score buffer
-constexpr int kDecMinChunk = 16;
-
-__device__ __forceinline__ int64_t dec_chunk(int64_t len, int64_t nsplit) {
-  const int64_t c = (len + nsplit - 1) / nsplit;
-  return (c + kDecMinChunk - 1) / kDecMinChunk * kDecMinChunk;
-}
+constexpr int kDecCols = 2;  // latent columns per thread (C <= 512); kDecPass etc.: mla_splits.cuh
 
 // Token i's absorbed query and rope query of heads [h0, h0 + hb) into qs [HB][C + R] (zeros for
 // heads past hb); the caller's barrier follows.
@@ -65,39 +59,14 @@ __device__ void combine_splits(const MlaDims& d, int64_t n, int64_t i, int h0, i
   if (!last_to_arrive(&counters[blockIdx.x], unsigned(ns))) return;
   if (DSV3_TRACE && threadIdx.x == 0 && blockIdx.x == 0) trace_point();  // head block 0's last split
   if (warp < hb) {  // the splits' (m, l) pairs, one load each
-    const int64_t ih = i * d.H + h0 + warp;
-    float2 mz[(kDecMaxSplits + 31) / 32];
-#pragma unroll
-    for (int u = 0; u < (kDecMaxSplits + 31) / 32; ++u) {
-      const int zz = lane + 32 * u;
-      mz[u] = zz < ns ? __ldcg(reinterpret_cast<const float2*>(ml + (zz * n * d.H + ih) * 2))
-                      : make_float2(-INFINITY, 0.f);
-    }
-    float M = -INFINITY;
-#pragma unroll
-    for (int u = 0; u < (kDecMaxSplits + 31) / 32; ++u) M = fmaxf(M, mz[u].x);
-    M = warp_max(M);
-    float Ls = 0.f;
-#pragma unroll
-    for (int u = 0; u < (kDecMaxSplits + 31) / 32; ++u) {
-      const int zz = lane + 32 * u;
-      if (zz >= ns) break;
-      const float f = expf(mz[u].x - M);
-      fz[warp * kDecMaxSplits + zz] = f;
-      Ls += mz[u].y * f;
-    }
-    Ls = warp_sum(Ls);
+    const float Ls = split_factors(ml, ns, n * d.H, i * d.H + h0 + warp, fz + warp * kDecMaxSplits);
     if (lane == 0) lsum[warp] = Ls;
   }
   __syncthreads();
   for (int h = 0; h < hb; ++h) {
     const int64_t ih = i * d.H + h0 + h;
-    for (int col = threadIdx.x; col < d.C; col += blockDim.x) {
-      float sum = 0.f;
-#pragma unroll 4
-      for (int zz = 0; zz < ns; ++zz) sum += __ldcg(part + (zz * n * d.H + ih) * d.C + col) * fz[h * kDecMaxSplits + zz];
-      ol[ih * d.C + col] = sum / lsum[h];
-    }
+    for (int col = threadIdx.x; col < d.C; col += blockDim.x)
+      ol[ih * d.C + col] = split_column(part, ns, n * d.H, d.C, ih, col, fz + h * kDecMaxSplits, lsum[h]);
   }
   if (threadIdx.x == 0) counters[blockIdx.x] = 0;  // ready for the next launch
   if (DSV3_TRACE && threadIdx.x == 0 && blockIdx.x == 0) trace_point();
@@ -335,7 +304,7 @@ __global__ void __launch_bounds__(256) decode_attn_warps_kernel(MlaDims d, const
                                                                 const float* __restrict__ cpe,
                                                                 float* __restrict__ part, float* __restrict__ ml,
                                                                 unsigned* __restrict__ counters,
-                                                                float* __restrict__ ol) {
+                                                                float* __restrict__ ol, bool combine) {
   extern __shared__ float dsm[];  // q [HB][C + R], the warps' sums [8][HB][C], split factors [HB][kDecMaxSplits]
   __shared__ float wm[8][HB], wl[8][HB], lsum[HB];
   const int nhb = (d.H + HB - 1) / HB, CR = d.C + d.R;
@@ -372,7 +341,7 @@ __global__ void __launch_bounds__(256) decode_attn_warps_kernel(MlaDims d, const
     if (ns > 1 && threadIdx.x == 0) ml[(z * n * d.H + ih) * 2] = M, ml[(z * n * d.H + ih) * 2 + 1] = L;
   }
   if (b0) trace_point();
-  if (ns == 1) return;
+  if (ns == 1 || !combine) return;  // (!combine: the value absorption combines them, gemv_splits)
   combine_splits(d, n, i, h0, hb, ns, part, ml, counters, ol, fz, lsum);
 }
 
@@ -402,15 +371,15 @@ namespace {
 template <int HB>
 void launch_decode_attn(const Launch& L, const MlaDims& d, const DevPos* pos, int64_t n, const float* qa,
                         const float* q, const float* cache_kv, const float* cache_pe, int nsplit, float* part,
-                        float* ml, unsigned* counters, float* ol, bool warps) {
+                        float* ml, unsigned* counters, float* ol, bool warps, bool combine) {
   const dim3 grid(unsigned(n * cdiv(d.H, HB)), 1, unsigned(nsplit));
   if (warps) {
     const size_t smem = sizeof(float) * size_t(HB) * size_t(d.C + d.R + 8 * d.C + kDecMaxSplits);
     // (38.4 KB at C 512 and two heads: within the default 48 KB; mla_decode_ok caps C at 512)
     if (n == 1) launch(L, decode_attn_warps_kernel<HB, true>, grid, dim3(256), smem, d, pos, n, qa, q, cache_kv, cache_pe,
-                       part, ml, counters, ol);
+                       part, ml, counters, ol, combine);
     else launch(L, decode_attn_warps_kernel<HB, false>, grid, dim3(256), smem, d, pos, n, qa, q, cache_kv, cache_pe,
-                part, ml, counters, ol);
+                part, ml, counters, ol, combine);
     return;
   }
   const size_t smem = sizeof(float) * size_t(HB) * size_t(d.C + d.R + kDecPass);
@@ -420,11 +389,12 @@ void launch_decode_attn(const Launch& L, const MlaDims& d, const DevPos* pos, in
 
 void mla_decode_attn(const Launch& L, const MlaDims& d, const DevPos* pos, int64_t n, const float* qa, const float* q,
                      const float* cache_kv, const float* cache_pe, int nsplit, float* part, float* ml,
-                     unsigned* counters, float* ol, bool warps, int hb) {
+                     unsigned* counters, float* ol, bool warps, int hb, bool combine) {
   DSV3_CHECK(nsplit >= 1 && nsplit <= kDecMaxSplits, "mla_decode_attn: ", nsplit, " position splits");
+  DSV3_CHECK(combine || warps, "mla_decode_attn: the split partial sums alone from the warps form only");
   DSV3_CHECK(hb == 1 || hb == 2, "mla_decode_attn: ", hb, " heads per block");
-  if (hb == 1) launch_decode_attn<1>(L, d, pos, n, qa, q, cache_kv, cache_pe, nsplit, part, ml, counters, ol, warps);
-  else launch_decode_attn<2>(L, d, pos, n, qa, q, cache_kv, cache_pe, nsplit, part, ml, counters, ol, warps);
+  if (hb == 1) launch_decode_attn<1>(L, d, pos, n, qa, q, cache_kv, cache_pe, nsplit, part, ml, counters, ol, warps, combine);
+  else launch_decode_attn<2>(L, d, pos, n, qa, q, cache_kv, cache_pe, nsplit, part, ml, counters, ol, warps, combine);
 }
 
 }  // namespace dsv3::cuda

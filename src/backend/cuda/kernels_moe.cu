@@ -98,9 +98,10 @@ __global__ void __launch_bounds__(1024) combine_add_rmsnorm_kernel(MoeSched s, c
   const int64_t i = blockIdx.x;
   const int K = s.K, Kt = s.K + s.S;
   // Before the wait: the norm weights of the thread's first columns, the token's pair rows and
-  // weights, and the residual of those columns — the router wrote the pairs at least two kernels
-  // back (both expert stages run between), the residual's last writer (the attention's add +
-  // norm) four, so with every kernel triggering only after its own wait they are complete.
+  // weights, and the residual of those columns — the router (or for one token the first routed
+  // block of stage 0) wrote the pairs at least two kernels back (both expert stages run between),
+  // the residual's last writer (the attention's add + norm, for one token the gate kernel doing
+  // it) three or four, so with every kernel triggering only after its own wait they are complete.
   const int64_t c0 = int64_t(threadIdx.x) * 4;
   const float4 w0 = c0 < d ? load4<V4>(w + c0, d - c0) : make_float4(0.f, 0.f, 0.f, 0.f);
   float4 h0 = make_float4(0.f, 0.f, 0.f, 0.f);  // (through L2: written by another kernel)

@@ -355,7 +355,7 @@ __global__ void __launch_bounds__(kTW * 32, 2) tcv_moe_kernel(int stage, const D
   extern __shared__ __align__(16) char smem[];
   int e;
   int64_t off, cnt;
-  if (!expert_slot(s, stage, blockIdx.y, e, off, cnt)) return;
+  if (!expert_slot<ONE>(s, stage, blockIdx.y, e, off, cnt)) return;
   TcvJob J;
   J.ks = ks;
   J.m = int(cnt);

@@ -306,15 +306,20 @@ __device__ void group_pairs(const MoeSched& s, bool tiles) {
 // routing: their weights load while the router runs), then the routed experts of the active
 // list. Stage 1 runs after stage 0 has passed its wait, so the router's schedule is complete
 // then: it is read (from L2) and the weights started on before waiting for stage 0's output.
-// false: no expert in this slot (the block has waited and triggered; it leaves).
+// false: no expert in this slot (the block has waited and triggered; it leaves). ONE: kernels of
+// one-token launches, where the block may route the token itself (MoeSched::route_logits); only
+// they carry the router's shared memory.
+template <bool ONE>
 __device__ __forceinline__ bool expert_slot(const MoeSched& s, int stage, int y, int& e, int64_t& off, int64_t& cnt) {
-  if (s.route_logits && y >= s.S) {  // one token, routed here from the gate's logits
-    // Stage 0 waits for them; stage 1 comes two kernels after the gate and routes before its wait.
-    if (stage == 0) pdl_wait();
-    const bool write = stage == 0 && y == s.S && blockIdx.x == 0;  // the schedule, for the combine
-    e = route_one_block(s.route, s.route_logits, s.route_bias, s, nullptr, nullptr, write, y - s.S);
-    off = y - s.S, cnt = 1;
-    return true;
+  if constexpr (ONE) {
+    if (s.route_logits && y >= s.S) {  // one token, routed here from the gate's logits
+      // Stage 0 waits for them; stage 1 comes two kernels after the gate and routes before its wait.
+      if (stage == 0) pdl_wait();
+      const bool write = stage == 0 && y == s.S && blockIdx.x == 0;  // the schedule, for the combine
+      e = route_one_block(s.route, s.route_logits, s.route_bias, s, nullptr, nullptr, write, y - s.S);
+      off = y - s.S, cnt = 1;
+      return true;
+    }
   }
   const bool early = y < s.S || stage == 1;
   if (!early) pdl_wait();
