@@ -243,21 +243,17 @@ int main(int argc, char** argv) {
         o.pad_kernels = pad;
         vars.push_back({name, o, true, false});
       }
-      if (asked("attn-combine")) {  // one token's attention splits combined by its last block (vabs_splits off)
-        CudaOptions o = base;
-        o.vabs_splits = false;
-        vars.push_back({"attn-combine", o, true, false});
-      }
-      if (asked("norm-alone")) {  // one token's add + norm before the gate on its own (norm_in_gate off)
-        CudaOptions o = base;
-        o.norm_in_gate = false;
-        vars.push_back({"norm-alone", o, true, false});
-      }
-      if (asked("gate-route")) {  // one token routed by the gate kernel's last block (route_in_experts off)
-        CudaOptions o = base;
-        o.route_in_experts = false;
-        vars.push_back({"gate-route", o, true, false});
-      }
+      // (asked for only) one token's decode with one of its fusions off: the attention's splits
+      // combined by its last block, the add + norm before the gate on its own, the routing by the
+      // gate kernel's last block
+      for (auto [name, off] : {std::pair{"attn-combine", &CudaOptions::vabs_splits},
+                               std::pair{"norm-alone", &CudaOptions::norm_in_gate},
+                               std::pair{"gate-route", &CudaOptions::route_in_experts}})
+        if (asked(name)) {
+          CudaOptions o = base;
+          o.*off = false;
+          vars.push_back({name, o, true, false});
+        }
       for (const std::string& v : only)  // ko-a+b: the default with kernel groups a and b not launched
         if (v.rfind("ko-", 0) == 0) {
           CudaOptions o = base;

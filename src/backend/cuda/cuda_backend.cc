@@ -552,10 +552,11 @@ class CudaBackend final : public Backend {
   }
 
   void moe(const ModelArgs& a, const MoEWeights& w, const float* x, int64_t n, float* y) override {
-    cuda::GateNorm norm = pnorm_;  // the add + norm that made x, for the gate kernel to do
-    if (norm.x == x && n == 1) pnorm_ = {};
-    else norm = {};
-    flush_add();
+    const DevLinear gate = dev_linear(Linear{w.gate, {}});
+    const bool fused_gate = n <= std::min(opt_.gemv_max, 8) && gate.t != cuda::kFP8 && !(use_tc(n) && tc_takes(gate));
+    cuda::GateNorm norm;  // the kept add + norm that made x, for the gate kernel to do
+    if (pnorm_.x == x && n == 1 && fused_gate && !ko("gate")) norm = pnorm_, pnorm_ = {};
+    flush_add();  // (a kept add + norm that the gate does not take runs here)
     mark("moe.gate");
     const MoeTable& T = moe_table(a, w);
     const int E = a.n_routed_experts, K = a.n_activated_experts;
@@ -568,15 +569,8 @@ class CudaBackend final : public Backend {
     r.E = E, r.K = K, r.G = a.n_expert_groups, r.topk_groups = a.n_limited_groups;
     r.sigmoid = a.score_func != "softmax", r.norm = a.norm_topk_prob, r.route_scale = a.route_scale;
     const float* bias = w.bias.empty() ? nullptr : w.bias.as<float>();
-    const DevLinear gate = dev_linear(Linear{w.gate, {}});
     const int64_t P = s.P(), D = a.dim;
     const bool gemvs = !tc && (n <= opt_.gemv_max || !T.gemm);
-    const bool fused_gate = n <= std::min(opt_.gemv_max, 8) && gate.t != cuda::kFP8 && !(use_tc(n) && tc_takes(gate));
-    if (norm.h && !(fused_gate && !ko("gate"))) {  // the add + norm alone after all
-      mark("add+rmsnorm");
-      cuda::add_rmsnorm(L_, norm.h, norm.r, 1, norm.d, norm.w, norm.eps, norm.x);
-      norm = {};
-    }
     if (fused_gate) {
       // One token on the expert GEMVs: their blocks route it from the logits (no last-block router).
       const bool rie = opt_.route_in_experts && gemvs && n == 1 && E <= 256 && !ko("experts");
@@ -648,9 +642,15 @@ class CudaBackend final : public Backend {
       const DevLinear wv = slice(wkv_b, nope, V, 0, C);
       cuda::GemvShift sh;
       sh.xs = C, sh.ys = V, sh.wrows = nope + V;
-      bool splits_to_vabs = false;  // one token: the value absorption combines the attention's splits
-      int vns = 1;
-      float *vpart = nullptr, *vml = nullptr;
+      const int hb = opt_.decode_heads ? opt_.decode_heads : cuda::mla_decode_heads(n);
+      const bool one = opt_.decode_attn && n <= 16 && cuda::mla_decode_ok(d, n, kAttnCounters, hb);
+      const int ns = one ? cuda::mla_decode_splits(d, n, opt_.decode_splits, hb) : cuda::mla_splits(d, n);
+      float* part = ns > 1 ? f32(kPart, size_t(ns * n * H * C)) : nullptr;
+      float* ml = ns > 1 ? f32(kMl, size_t(ns * n * H * 2)) : nullptr;
+      // One token: the value absorption combines the attention's splits.
+      const bool splits_to_vabs = one && opt_.vabs_splits && n == 1 && ns > 1 && opt_.decode_attn_warps &&
+                                  !ko("attn") && !ko("out") && !(use_tc(n) && tc_takes(wv)) &&
+                                  cuda::gemv_splits_ok(L_, wv);
       {
         float* qa = f32(kLat, size_t(n * H * C));
         if (ko("prep")) {
@@ -663,17 +663,9 @@ class CudaBackend final : public Backend {
           mark("mla.qabs");
           cuda::mla_qabs(L_, d, wkv_b, q, n, qa);
         }
-        const int hb = opt_.decode_heads ? opt_.decode_heads : cuda::mla_decode_heads(n);
-        const bool one = opt_.decode_attn && n <= 16 && cuda::mla_decode_ok(d, n, kAttnCounters, hb);
-        const int ns = one ? cuda::mla_decode_splits(d, n, opt_.decode_splits, hb) : cuda::mla_splits(d, n);
-        float* part = ns > 1 ? f32(kPart, size_t(ns * n * H * C)) : nullptr;
-        float* ml = ns > 1 ? f32(kMl, size_t(ns * n * H * 2)) : nullptr;
         if (ko("attn")) {
         } else if (one) {
           mark("mla.attn1");
-          splits_to_vabs = opt_.vabs_splits && n == 1 && ns > 1 && opt_.decode_attn_warps && !ko("out") &&
-                           !(use_tc(n) && tc_takes(wv)) && cuda::gemv_splits_ok(L_, wv);
-          vns = ns, vpart = part, vml = ml;
           cuda::mla_decode_attn(L_, d, pos, n, qa, q, cache.kv, cache.pe, ns, part, ml, attn_counters_, ol,
                                 opt_.decode_attn_warps, hb, !splits_to_vabs);
         } else {
@@ -688,7 +680,7 @@ class CudaBackend final : public Backend {
       mark("mla.out");
       if (ko("out")) return;
       if (splits_to_vabs) {
-        cuda::gemv_splits(L_, wv, int(H), sh, pos, vns, vpart, vml, ol, out);
+        cuda::gemv_splits(L_, wv, int(H), sh, pos, ns, part, ml, ol, out);
         return;
       }
       if (use_tc(n) && tc_takes(wv)) {

@@ -345,17 +345,18 @@ constexpr int kSplitsMaxC = 512;  // gemv_splits: the widest x staged in shared 
 template <int WT>
 __global__ void __launch_bounds__(kWarps * 32, 2) gemv_splits_kernel(Job J, GemvShift sh, const DevPos* pos, int nsplit,
                                                                      const float* part, const float* ml,
-                                                                     const float* ol, int heads) {
+                                                                     const float* ol) {
   __shared__ __align__(16) float xs[kSplitsMaxC];
   __shared__ float fz[kDecMaxSplits];
   __shared__ float lsum;
-  const int64_t b = blockIdx.y, C = J.a.cols;
+  const int64_t b = blockIdx.y, C = J.a.cols, heads = gridDim.y;
   J.y += b * sh.ys;
   J.a.row0 += b * sh.wrows;
   J.b.row0 += b * sh.wrows;
   J.x = xs;
   auto stage = [&] {
-    const int ns = dec_splits(int64_t(pos[0].pos) + 1, nsplit);  // (pos: copied before the step's first kernel)
+    const int64_t len = int64_t(pos[0].pos) + 1;  // (pos: copied before the step's first kernel)
+    const int ns = dec_splits(len, dec_chunk(len, nsplit));
     if (ns == 1) {
       for (int64_t c = threadIdx.x; c < C; c += blockDim.x) xs[c] = __ldcg(ol + b * C + c);
     } else {
@@ -385,9 +386,7 @@ __global__ void __launch_bounds__(kWarps * 32, 2) moe_gemv_kernel(int stage, con
   Job J;
   if (stage == 0) {
     J.a = X.w1, J.b = X.w3, J.fused = true;
-    // A shared slice takes every token in order, and one token routed in the block is token 0:
-    // no permutation rows (the first routed block may still be writing them).
-    J.x = in, J.ldx = ldin, J.idx = int(blockIdx.y) < s.S || s.route_logits ? nullptr : s.perm + off;
+    J.x = in, J.ldx = ldin, J.idx = slot_tokens(s, blockIdx.y, off);
     J.vec = X.vec13 && xvec;
   } else {
     J.a = X.w2, J.b = X.w2, J.fused = false;
@@ -653,9 +652,9 @@ void gemv_splits(const Launch& L, const DevLinear& w, int heads, GemvShift shift
   J.vec = true;
   const dim3 grid(gemv_blocks((w.rows + 1) / 2, heads, 1), unsigned(heads));
   switch (w.t) {
-    case kBF16: launch(L, gemv_splits_kernel<kBF16>, grid, dim3(kWarps * 32), 0, J, shift, pos, nsplit, part, ml, ol, heads); break;
-    case kFP8: launch(L, gemv_splits_kernel<kFP8>, grid, dim3(kWarps * 32), 0, J, shift, pos, nsplit, part, ml, ol, heads); break;
-    default: launch(L, gemv_splits_kernel<kF32>, grid, dim3(kWarps * 32), 0, J, shift, pos, nsplit, part, ml, ol, heads); break;
+    case kBF16: launch(L, gemv_splits_kernel<kBF16>, grid, dim3(kWarps * 32), 0, J, shift, pos, nsplit, part, ml, ol); break;
+    case kFP8: launch(L, gemv_splits_kernel<kFP8>, grid, dim3(kWarps * 32), 0, J, shift, pos, nsplit, part, ml, ol); break;
+    default: launch(L, gemv_splits_kernel<kF32>, grid, dim3(kWarps * 32), 0, J, shift, pos, nsplit, part, ml, ol); break;
   }
 }
 

@@ -90,7 +90,7 @@ __global__ void __launch_bounds__(256) decode_attn_kernel(MlaDims d, const DevPo
   const int64_t len = int64_t(p.pos) + 1, chunk = dec_chunk(len, gridDim.z);
   const int64_t ts = int64_t(blockIdx.z) * chunk, te = min(len, ts + chunk);
   if (ts >= len) return;  // not one of this token's splits
-  const int ns = int((len + chunk - 1) / chunk);
+  const int ns = dec_splits(len, chunk);
   float* qs = dsm;
   float* ps = dsm + HB * CR;
   stage_query<HB>(d, qa, q, i, h0, hb, qs);
@@ -222,7 +222,7 @@ struct DecRows {
     ts = int64_t(blockIdx.z) * chunk, te = min(len, ts + chunk);
     row0 = int64_t(p.slot) * d.max_len;
   }
-  __device__ int splits() const { return int((len + chunk - 1) / chunk); }  // of this token's length
+  __device__ int splits() const { return dec_splits(len, chunk); }  // of this token's length
   __device__ void load_row(int64_t t, float* k) const {
 #pragma unroll
     for (int m = 0; m < kMaxJ; ++m) {

@@ -364,7 +364,7 @@ __global__ void __launch_bounds__(kTW * 32, 2) tcv_moe_kernel(int stage, const D
   const int64_t tb = int64_t(blockIdx.x) * (kTW / ks);
   if (stage == 0) {
     J.a = table[e].w1, J.b = table[e].w3;
-    J.x = in, J.idx = int(blockIdx.y) < s.S || s.route_logits ? nullptr : s.perm + off;  // (as moe_gemv_kernel)
+    J.x = in, J.idx = slot_tokens(s, blockIdx.y, off);
     tcv_run<WT, ONE, 1>(J, tb, smem);
   } else {
     J.a = table[e].w2;

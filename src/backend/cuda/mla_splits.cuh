@@ -17,11 +17,8 @@ __device__ __forceinline__ int64_t dec_chunk(int64_t len, int64_t nsplit) {
   const int64_t c = (len + nsplit - 1) / nsplit;
   return (c + kDecMinChunk - 1) / kDecMinChunk * kDecMinChunk;
 }
-// The splits that hold positions of a token of `len` positions.
-__device__ __forceinline__ int dec_splits(int64_t len, int64_t nsplit) {
-  const int64_t chunk = dec_chunk(len, nsplit);
-  return int((len + chunk - 1) / chunk);
-}
+// The splits that hold positions of a token of `len` positions, `chunk` (dec_chunk) per split.
+__device__ __forceinline__ int dec_splits(int64_t len, int64_t chunk) { return int((len + chunk - 1) / chunk); }
 
 // One warp: the ns splits' factors exp(m_z - M) into fz[0, ns) and their weighted sum of l_z
 // (returned in every lane) for row ih of ml [ns][rows][2] (rows = n * H).

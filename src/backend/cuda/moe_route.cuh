@@ -338,5 +338,12 @@ __device__ __forceinline__ bool expert_slot(const MoeSched& s, int stage, int y,
   return true;
 }
 
+// The token rows of slot y's pairs from pair row off, for stage 0 (null: tokens 0, 1, ... in
+// order): a shared slice takes every token in order, and one token routed in the block is token 0,
+// so neither reads the permutation rows (the first routed block may still be writing them).
+__device__ __forceinline__ const int32_t* slot_tokens(const MoeSched& s, int y, int64_t off) {
+  return y < s.S || s.route_logits ? nullptr : s.perm + off;
+}
+
 }  // namespace
 }  // namespace dsv3::cuda
