@@ -245,9 +245,10 @@ int main(int argc, char** argv) {
       }
       // (asked for only) one token's decode with one of its fusions off: the attention's splits
       // combined by its last block, the add + norm before the gate on its own, the routing by the
-      // gate kernel's last block
+      // gate kernel's last block, the MoE combine + norm on its own
       for (auto [name, off] : {std::pair{"attn-combine", &CudaOptions::vabs_splits},
                                std::pair{"norm-alone", &CudaOptions::norm_in_gate},
+                               std::pair{"combine-alone", &CudaOptions::combine_in_gemv},
                                std::pair{"gate-route", &CudaOptions::route_in_experts}})
         if (asked(name)) {
           CudaOptions o = base;

@@ -674,6 +674,16 @@ TEST(CudaOps, MoeAddNormFusedMatchesRef) {
   }
 }
 
+// The fusion tests' cases: f(name, weights, host layer 1, device layer 1), layer 1 a MoE layer.
+template <class F>
+void each_moe_case(Backend& cuda, F f) {
+  for (std::string c : {"v2lite_bf16", "v2_groups_bf16", "v3_fp8"}) {
+    TwoWeights W(c, cuda);
+    ASSERT_TRUE(W.host.layers[1].moe) << c;
+    f(c, W, W.host.layers[1], W.dev.layers[1]);
+  }
+}
+
 // One token's "h += r; x = ffn_norm(h); y = moe(x)" with the add + norm done by the gate kernel
 // (norm_in_gate) or on its own, and the same add + norm followed by a linear instead (the kept
 // norm launched first): x, h and y against the reference ops.
@@ -684,13 +694,9 @@ TEST(CudaOps, AddNormIntoGateMatchesRef) {
     CudaOptions o = opts();
     o.norm_in_gate = in_gate;
     auto cuda = make_cuda_backend(o);
-    for (std::string c : {"v2lite_bf16", "v2_groups_bf16", "v3_fp8"}) {
-      TwoWeights W(c, *cuda);
+    each_moe_case(*cuda, [&](const std::string& c, const TwoWeights& W, const auto& hl, const auto& dl) {
       const ModelArgs& a = W.a;
       const int64_t D = a.dim;
-      const LayerWeights& hl = W.host.layers[1];
-      const LayerWeights& dl = W.dev.layers[1];
-      ASSERT_TRUE(hl.moe) << c;
       const std::vector<float> h0 = randn(size_t(D), 71), r = randn(size_t(D), 72);
       std::vector<float> rh = h0, rx(static_cast<size_t>(D)), ry(static_cast<size_t>(D)),
           rq(static_cast<size_t>(hl.attn.wkv_a.out()));
@@ -710,7 +716,55 @@ TEST(CudaOps, AddNormIntoGateMatchesRef) {
         const std::vector<float>& want = then_moe ? ry : rq;
         EXPECT_LE(rel_l2(yd.get().data(), want.data(), want.size()), 5e-5) << what;
       }
-    }
+    });
+  }
+}
+
+// One token's "y = moe(x); h += y; x2 = attn_norm(h); q = wq x2; kv = wkv_a x2" with the MoE combine
+// + add + norm done by the paired GEMV's blocks (combine_in_gemv) or on its own: y, h, x2 and both
+// products against the reference ops, and (profiled) which form ran: the bf16 cases take the
+// fused one, FP8 (the tensor-core GEMV) and the option off launch the combine alone.
+TEST(CudaOps, MoeCombineIntoPairedGemvMatchesRef) {
+  REQUIRE_GPU();
+  auto ref = make_ref_backend();
+  for (bool in_pair : {true, false}) {
+    CudaOptions o = opts(false, 8, false);
+    o.combine_in_gemv = in_pair;
+    o.profile = true;
+    auto cuda = make_cuda_backend(o);
+    each_moe_case(*cuda, [&](const std::string& c, const TwoWeights& W, const auto& hl, const auto& dl) {
+      const ModelArgs& a = W.a;
+      const int64_t D = a.dim;
+      const bool lora = a.q_lora_rank > 0;
+      const Linear& hq = lora ? hl.attn.wq_a : hl.attn.wq;
+      const Linear& dq = lora ? dl.attn.wq_a : dl.attn.wq;
+      const std::vector<float> x0 = randn(size_t(D), 81), h0 = randn(size_t(D), 82);
+      std::vector<float> rh = h0, ry(static_cast<size_t>(D)), rx(static_cast<size_t>(D)),
+          rq(static_cast<size_t>(hq.out())), rkv(static_cast<size_t>(hl.attn.wkv_a.out()));
+      ref->moe(a, hl.moe_w, x0.data(), 1, ry.data());
+      ref->add(rh.data(), ry.data(), D);
+      ref->rmsnorm(rh.data(), 1, D, D, hl.attn_norm, a.rms_norm_eps, rx.data());
+      ref->linear(rx.data(), 1, hq, rq.data());
+      ref->linear(rx.data(), 1, hl.attn.wkv_a, rkv.data());
+      Dev xd(*cuda, x0), hd(*cuda, h0), yd(*cuda, size_t(D)), x2(*cuda, size_t(D)), qd(*cuda, rq.size()),
+          kvd(*cuda, rkv.size());
+      cuda::profile_report(*cuda, true);
+      cuda->moe(a, dl.moe_w, xd.p, 1, yd.p);
+      cuda->add(hd.p, yd.p, D);
+      cuda->rmsnorm(hd.p, 1, D, D, dl.attn_norm, a.rms_norm_eps, x2.p);
+      cuda->linear(x2.p, 1, dq, qd.p);
+      cuda->linear(x2.p, 1, dl.attn.wkv_a, kvd.p);
+      const std::string what = str(c, in_pair ? " in the paired GEMV" : " alone");
+      EXPECT_LE(rel_l2(yd.get().data(), ry.data(), ry.size()), 5e-5) << what;
+      EXPECT_LE(rel_l2(hd.get().data(), rh.data(), rh.size()), 5e-5) << what;
+      EXPECT_LE(rel_l2(x2.get().data(), rx.data(), rx.size()), 5e-5) << what;
+      EXPECT_LE(rel_l2(qd.get().data(), rq.data(), rq.size()), 5e-5) << what;
+      EXPECT_LE(rel_l2(kvd.get().data(), rkv.data(), rkv.size()), 5e-5) << what;
+      const std::string rep = cuda::profile_report(*cuda, true);
+      EXPECT_NE(rep.find("linear pair"), std::string::npos) << what << "\n" << rep;
+      const bool fused = in_pair && c != "v3_fp8";  // (FP8 on the tensor-core GEMV: the combine alone)
+      EXPECT_EQ(rep.find("moe.combine+add+rmsnorm") == std::string::npos, fused) << what << "\n" << rep;
+    });
   }
 }
 

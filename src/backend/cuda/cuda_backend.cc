@@ -66,6 +66,7 @@ CudaOptions CudaOptions::from_env() {
   o.route_in_experts = env_flag("DSV3_CUDA_ROUTE_IN_EXPERTS", o.route_in_experts);
   o.vabs_splits = env_flag("DSV3_CUDA_VABS_SPLITS", o.vabs_splits);
   o.norm_in_gate = env_flag("DSV3_CUDA_NORM_IN_GATE", o.norm_in_gate);
+  o.combine_in_gemv = env_flag("DSV3_CUDA_COMBINE_IN_GEMV", o.combine_in_gemv);
   return o;
 }
 
@@ -444,7 +445,14 @@ class CudaBackend final : public Backend {
     DSV3_CHECK(w.dtype == DType::F32, "norm weight not on the device");
     flush_linear();
     if (pend_.y && pend_.y == x && stride == d && pend_.n == n * d) {  // the residual add, fused
-      if (pend_.from_moe) {
+      const cuda::CombineNorm cn{pmoe_.s, pmoe_.o, pmoe_.d, pmoe_.y, pend_.y, w.as<float>(), eps, y};
+      if (pend_.from_moe && opt_.combine_in_gemv && n == 1 && !opt_.pad_kernels && !ko("combine") &&
+          cuda::gate_norm_ok(d)) {
+        // One token: kept for the next op; the paired GEMV of the next layer's attention does it
+        // (linear), anything else launches it first (flush_norm).
+        pcomb_ = cn;
+        pmoe_.active = false;
+      } else if (pend_.from_moe) {
         mark("moe.combine+add+rmsnorm");
         if (!ko("combine"))
           cuda::moe_combine_add_rmsnorm(L_, pmoe_.s, pmoe_.o, pmoe_.d, pmoe_.y, pend_.y, w.as<float>(), eps, y);
@@ -479,20 +487,27 @@ class CudaBackend final : public Backend {
   }
 
   void linear(const float* x, int64_t n, const Linear& w, float* y) override {
-    flush_norm();
     const DevLinear dw = dev_linear(w);
     // Two GEMVs on the same activations (wq and wkv_a at decode) share one launch: the first one
-    // waits in plin_ for the next op.
+    // waits in plin_ for the next op. A kept MoE combine + add + norm that made x goes into it.
     if (plin_.x == x && plin_.n == n && cuda::gemv2_ok(plin_.w, dw, x, n)) {
       const PendingLinear p = plin_;
       plin_ = {};
+      const cuda::CombineNorm cn = pcomb_;
+      const bool comb = cn.h && cn.x == x && !ko("pair") && cuda::gemv2_combine_ok(L_, p.w, dw, cn);
+      if (comb) pcomb_ = {};
       flush_add();
       if (opt_.profile) mark(str("linear pair ", p.w.rows, "+", dw.rows, "x", dw.cols, " ", dtype_name(w.weight.dtype)));
-      if (!ko("pair")) cuda::gemv2(L_, p.w, p.y, dw, y, x, n);
+      if (comb) cuda::gemv2_combine(L_, p.w, p.y, dw, y, cn);
+      else if (!ko("pair")) cuda::gemv2(L_, p.w, p.y, dw, y, x, n);
       return;
     }
+    const bool pair = opt_.pair_gemv && n <= std::min(opt_.gemv_max, 8) && !(use_tc(n) && tc_takes(dw));
+    cuda::CombineNorm keep;  // a kept combine + norm for x stays kept while this linear waits for a partner
+    if (pair && pcomb_.h && pcomb_.x == x && plin_.x != x) keep = pcomb_, pcomb_ = {};
     flush_add();
-    if (opt_.pair_gemv && n <= std::min(opt_.gemv_max, 8) && !(use_tc(n) && tc_takes(dw))) {
+    if (pair) {
+      pcomb_ = keep;
       plin_ = {dw, x, n, y};
       return;
     }
@@ -503,8 +518,15 @@ class CudaBackend final : public Backend {
     // MLPs, experts and the attention core.
     if (!ko("linear")) run_linear(dw, x, n, y, w.out(), /*exact=*/true);
   }
-  // The add + norm waiting for a MoE gate, alone.
+  // The add + norm waiting for a MoE gate, or the combine + add + norm waiting for a paired
+  // GEMV, alone.
   void flush_norm() {
+    if (pcomb_.h) {
+      const cuda::CombineNorm c = pcomb_;
+      pcomb_ = {};
+      mark("moe.combine+add+rmsnorm");
+      cuda::moe_combine_add_rmsnorm(L_, c.s, c.o, c.d, c.y, c.h, c.w, c.eps, c.x);
+    }
     if (!pnorm_.h) return;
     const cuda::GateNorm p = pnorm_;
     pnorm_ = {};
@@ -1166,6 +1188,7 @@ class CudaBackend final : public Backend {
     bool active = false;
   } pmoe_;
   cuda::GateNorm pnorm_;  // an add + norm of one token, kept for the next op (rmsnorm)
+  cuda::CombineNorm pcomb_;  // a MoE combine + add + norm of one token, kept for the next op (rmsnorm)
   std::vector<std::pair<std::string, cudaEvent_t>> marks_;
   std::vector<cudaEvent_t> free_events_;
   std::map<std::string, double> prof_;

@@ -56,6 +56,10 @@ struct CudaOptions {
   bool norm_in_gate = true; // one token's residual add + norm before a MoE layer done by the gate kernel's
                             // blocks (each for its row, block 0 writing h and x): one kernel fewer
                             // (DSV3_CUDA_NORM_IN_GATE=0: add_rmsnorm launched on its own)
+  bool combine_in_gemv = true; // one token's MoE combine + residual add + next norm done by the next layer's
+                               // paired wq / wkv_a GEMV (each block for its own use, block 0 writing y, h
+                               // and x; where the FMA GEMV takes both): one one-block kernel fewer
+                               // (DSV3_CUDA_COMBINE_IN_GEMV=0: moe_combine_add_rmsnorm launched on its own)
   bool fp8_wgmma = true; // FP8 weights in the pipelined kernel's wgmma form (widened to bf16 in shared memory)
                          // for products of tc_min+ tokens; off: the WMMA GEMM (DSV3_CUDA_FP8_WGMMA=0)
   // A measurement aid, never for results: decode-step kernel groups not launched at all

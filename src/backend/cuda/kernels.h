@@ -260,6 +260,25 @@ void moe_combine(const Launch& L, const MoeSched& s, const float* o, int64_t d, 
 // moe_combine, then h += y and x = rmsnorm(h) * w.
 void moe_combine_add_rmsnorm(const Launch& L, const MoeSched& s, const float* o, int64_t d, float* y, float* h,
                              const float* w, float eps, float* x);
+// A MoE layer's pending output for one token, to be made into the next layer's input: y = the
+// combine of o (moe_combine), h += y, x = rmsnorm(h) * w (d values).
+struct CombineNorm {
+  MoeSched s;
+  const float* o = nullptr;
+  int64_t d = 0;
+  float* y = nullptr;
+  float* h = nullptr;
+  const float* w = nullptr;
+  float eps = 0.f;
+  float* x = nullptr;
+};
+// gemv2 of one token on the FMA streaming GEMV whose input cn.x is made first by each block
+// from cn (every block for its own use, block 0 writing y, h and x): no combine launch.
+// gemv2_combine_ok: gemv2_ok, the FMA GEMV takes both weights (not the tensor-core one: measured
+// slower there), w.cols == d <= 2048 with d % 4 == 0, 16-byte aligned rows, at most 32 pairs.
+bool gemv2_combine_ok(const Launch& L, const DevLinear& w, const DevLinear& w2, const CombineNorm& cn);
+void gemv2_combine(const Launch& L, const DevLinear& w, float* y, const DevLinear& w2, float* y2,
+                   const CombineNorm& cn);
 // The layer's residual add and norm before the gate, for one token (add_rmsnorm's h += r and
 // x = rmsnorm(h) * w, d values): gate_norm_ok(d).
 struct GateNorm {

@@ -374,6 +374,23 @@ __global__ void __launch_bounds__(kWarps * 32, 2) gemv_splits_kernel(Job J, Gemv
   pdl_trigger();
 }
 
+constexpr int kNormPer = 8;                       // the fused residual add + norm: values per thread
+constexpr int kNormMaxD = kWarps * 32 * kNormPer;  // ... and rows of up to this many
+
+// One token's paired GEMV (gemv2) whose x is the MoE layer's pending output made into the next
+// layer's input by each block (CombineStage), then the streaming GEMV of both weights on it.
+template <int WT>
+__global__ void __launch_bounds__(kWarps * 32, 2) gemv2_combine_kernel(Job J, CombineNorm cn) {
+  static_assert(kWarps * 32 == kCombThreads);
+  __shared__ __align__(16) float xs[kCombMaxD];
+  CombineStage cs(cn, xs);
+  cs.load();
+  J.x = xs;
+  const int64_t first = int64_t(blockIdx.x) * kWarps + (threadIdx.x >> 5), stride = int64_t(gridDim.x) * kWarps;
+  run_stream<WT, 1, true, true>(J, first, stride, true, [&] { cs.run(); });
+  pdl_trigger();
+}
+
 // blockIdx.y: an expert slot (expert_slot).
 template <int WT, int NT>
 __global__ void __launch_bounds__(kWarps * 32, 2) moe_gemv_kernel(int stage, const DevExpert* __restrict__ table,
@@ -458,9 +475,6 @@ __device__ __forceinline__ void gate_slice(const Job& J, int64_t r, int64_t t0, 
     }
   }
 }
-
-constexpr int kNormPer = 8;                       // gate_route's residual add + norm: values per thread
-constexpr int kNormMaxD = kWarps * 32 * kNormPer;  // ... and rows of up to this many
 
 // The MoE gate for a few tokens (logits to J.y) with the router run by whichever block finishes
 // last (a device counter, reset by it): one launch instead of two. A block per gate row, its
@@ -635,10 +649,40 @@ void gemv2(const Launch& L, const DevLinear& w, float* y, const DevLinear& w2, f
 
 bool gate_norm_ok(int64_t d) { return d >= 1 && d <= kNormMaxD && d % 4 == 0; }
 
+// Whether the FMA streaming GEMV takes w for one token (the tensor-core GEMV would not).
+static bool fma_takes(const Launch& L, const DevLinear& w) {
+  const bool tcv = L.tcv_max >= 1 && (w.t == kFP8 || (w.t == kBF16 && L.tcv_bf16_min == 1));
+  return !tcv && vec_ok(w);
+}
+
+bool gemv2_combine_ok(const Launch& L, const DevLinear& w, const DevLinear& w2, const CombineNorm& cn) {
+  const bool al = ((reinterpret_cast<uintptr_t>(cn.o) | reinterpret_cast<uintptr_t>(cn.y) |
+                    reinterpret_cast<uintptr_t>(cn.h) | reinterpret_cast<uintptr_t>(cn.w) |
+                    reinterpret_cast<uintptr_t>(cn.x)) & 15) == 0;
+  return cn.s.n == 1 && cn.s.K + cn.s.S <= kMaxK + 16 && cn.d >= 1 && cn.d <= kCombMaxD && cn.d % 4 == 0 &&
+         w.cols == cn.d && al && gemv2_ok(w, w2, cn.x, 1) && fma_takes(L, w) && fma_takes(L, w2);
+}
+
+void gemv2_combine(const Launch& L, const DevLinear& w, float* y, const DevLinear& w2, float* y2,
+                   const CombineNorm& cn) {
+  DSV3_CHECK(gemv2_combine_ok(L, w, w2, cn), "gemv2_combine: weights or a MoE output it cannot take");
+  Job J;
+  J.a = J.b = w;
+  J.fused = false;
+  J.x = nullptr, J.ldx = w.cols, J.idx = nullptr, J.m = 1, J.y = y, J.ldy = w.rows;
+  J.vec = true;
+  J.c = w2, J.y2 = y2, J.ldy2 = w2.rows;
+  const dim3 grid(gemv_blocks((w.rows + 1) / 2 + (w2.rows + 1) / 2, 1, 1));
+  switch (w.t) {
+    case kBF16: launch(L, gemv2_combine_kernel<kBF16>, grid, dim3(kWarps * 32), 0, J, cn); break;
+    case kFP8: launch(L, gemv2_combine_kernel<kFP8>, grid, dim3(kWarps * 32), 0, J, cn); break;
+    default: launch(L, gemv2_combine_kernel<kF32>, grid, dim3(kWarps * 32), 0, J, cn); break;
+  }
+}
+
 bool gemv_splits_ok(const Launch& L, const DevLinear& w) {
   // Where the tensor-core GEMV would take the weights, the attention combines its splits as before.
-  const bool tcv = L.tcv_max >= 1 && (w.t == kFP8 || (w.t == kBF16 && L.tcv_bf16_min == 1));
-  return !tcv && vec_ok(w) && w.cols <= kSplitsMaxC && w.cols % 16 == 0;
+  return fma_takes(L, w) && w.cols <= kSplitsMaxC && w.cols % 16 == 0;
 }
 
 void gemv_splits(const Launch& L, const DevLinear& w, int heads, GemvShift shift, const DevPos* pos, int nsplit,

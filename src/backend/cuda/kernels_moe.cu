@@ -116,23 +116,7 @@ __global__ void __launch_bounds__(1024) combine_add_rmsnorm_kernel(MoeSched s, c
   float ss = 0.f;
   for (int64_t c = int64_t(threadIdx.x) * 4; c < d; c += int64_t(blockDim.x) * 4) {
     const int64_t rem = d - c;
-    float4 r = make_float4(0.f, 0.f, 0.f, 0.f), sh = r;
-    for (int k0 = 0; k0 < Kt; k0 += 8) {
-      float4 v[8];
-#pragma unroll
-      for (int u = 0; u < 8; ++u)
-        if (k0 + u < Kt) v[u] = load4<V4>(o + po[k0 + u] + c, rem);
-#pragma unroll
-      for (int u = 0; u < 8; ++u) {
-        const int k = k0 + u;
-        if (k < K) {
-          r.x += v[u].x * pw[k], r.y += v[u].y * pw[k], r.z += v[u].z * pw[k], r.w += v[u].w * pw[k];
-        } else if (k < Kt) {
-          sh.x += v[u].x, sh.y += v[u].y, sh.z += v[u].z, sh.w += v[u].w;
-        }
-      }
-    }
-    const float4 m = make_float4(r.x + sh.x, r.y + sh.y, r.z + sh.z, r.w + sh.w);
+    const float4 m = combine4(o, po, pw, K, Kt, c, [&](const float* p) { return load4<V4>(p, rem); });
     float4 hv = c == c0 ? h0 : load4<V4>(h + i * d + c, rem);
     hv.x += m.x, hv.y += m.y, hv.z += m.z, hv.w += m.w;
     if (c == c0) h0 = hv;  // kept for the norm's pass

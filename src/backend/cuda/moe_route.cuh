@@ -251,6 +251,98 @@ __device__ int route_one_block(const RouteArgs& ra, const float* __restrict__ lo
   return by_index[want];
 }
 
+// One token's MoE output at columns c .. c + 3 (moe_combine's sum): pair rows po[k] (offsets into
+// o) for k < Kt, the first K routed, weighted by pw[k] in expert-index order, then the shared
+// slices added; load(p) reads four values at p, all Kt rows of a batch of 8 before the sums.
+template <class Load>
+__device__ __forceinline__ float4 combine4(const float* o, const int64_t* po, const float* pw, int K, int Kt,
+                                           int64_t c, Load load) {
+  float4 r = make_float4(0.f, 0.f, 0.f, 0.f), sh = r;
+  for (int k0 = 0; k0 < Kt; k0 += 8) {
+    float4 v[8];
+#pragma unroll
+    for (int u = 0; u < 8; ++u)
+      if (k0 + u < Kt) v[u] = load(o + po[k0 + u] + c);
+#pragma unroll
+    for (int u = 0; u < 8; ++u) {
+      const int k = k0 + u;
+      if (k < K) {
+        r.x += v[u].x * pw[k], r.y += v[u].y * pw[k], r.z += v[u].z * pw[k], r.w += v[u].w * pw[k];
+      } else if (k < Kt) {
+        sh.x += v[u].x, sh.y += v[u].y, sh.z += v[u].z, sh.w += v[u].w;
+      }
+    }
+  }
+  return make_float4(r.x + sh.x, r.y + sh.y, r.z + sh.z, r.w + sh.w);
+}
+
+// A one-token MoE output made into the next layer's input by every block of a 256-thread kernel
+// for its own use (CombineNorm: combine4, h += it, x = rmsnorm(h) * w into xs in shared memory;
+// block 0 also writes y, h and x): load() before the kernel's wait (every kernel triggers after
+// its own wait, so the residual, last written before the expert stages, and the pair rows and
+// weights that stage 0's first routed block or the router wrote are complete), run() after it
+// (every thread; it syncs the block).
+constexpr int kCombThreads = 256, kCombMaxD = 2048;
+struct CombineStage {
+  static constexpr int P = kCombMaxD / (kCombThreads * 4);  // float4 column groups per thread
+  const CombineNorm& cn;
+  float* xs;  // [kCombMaxD] shared
+  int64_t* po;
+  float* pw;
+  float4 hv[P], wv[P];
+  __device__ explicit CombineStage(const CombineNorm& c, float* x_shared) : cn(c), xs(x_shared) {
+    __shared__ int64_t po_s[kMaxK + 16];
+    __shared__ float pw_s[kMaxK + 16];
+    po = po_s, pw = pw_s;
+  }
+  __device__ int64_t col(int p) const { return (int64_t(threadIdx.x) + int64_t(p) * kCombThreads) * 4; }
+  __device__ void load() {
+#pragma unroll
+    for (int p = 0; p < P; ++p) {
+      hv[p] = wv[p] = make_float4(0.f, 0.f, 0.f, 0.f);
+      if (col(p) < cn.d) {
+        wv[p] = *reinterpret_cast<const float4*>(cn.w + col(p));
+        hv[p] = __ldcg(reinterpret_cast<const float4*>(cn.h + col(p)));
+      }
+    }
+    if (threadIdx.x < cn.s.K + cn.s.S) {
+      po[threadIdx.x] = int64_t(__ldcg(cn.s.pair_of + threadIdx.x)) * cn.d;
+      pw[threadIdx.x] = __ldcg(cn.s.pw + threadIdx.x);
+    }
+  }
+  __device__ void run() {
+    __shared__ float red[33];
+    const bool writer = blockIdx.x == 0 && blockIdx.y == 0;
+    __syncthreads();
+    float ss = 0.f;
+#pragma unroll
+    for (int p = 0; p < P; ++p) {
+      const int64_t c = col(p);
+      if (c >= cn.d) break;
+      const float4 m = combine4(cn.o, po, pw, cn.s.K, cn.s.K + cn.s.S, c,
+                                [](const float* q) { return __ldcg(reinterpret_cast<const float4*>(q)); });
+      hv[p].x += m.x, hv[p].y += m.y, hv[p].z += m.z, hv[p].w += m.w;
+      ss += hv[p].x * hv[p].x + hv[p].y * hv[p].y + hv[p].z * hv[p].z + hv[p].w * hv[p].w;
+      if (writer) {
+        *reinterpret_cast<float4*>(cn.y + c) = m;
+        *reinterpret_cast<float4*>(cn.h + c) = hv[p];
+      }
+    }
+    ss = block_sum(ss, red);
+    const float rr = 1.f / sqrtf(ss / float(cn.d) + cn.eps);
+#pragma unroll
+    for (int p = 0; p < P; ++p) {
+      const int64_t c = col(p);
+      if (c >= cn.d) break;
+      const float4 xv = make_float4(hv[p].x * rr * wv[p].x, hv[p].y * rr * wv[p].y, hv[p].z * rr * wv[p].z,
+                                    hv[p].w * rr * wv[p].w);
+      *reinterpret_cast<float4*>(xs + c) = xv;
+      if (writer) *reinterpret_cast<float4*>(cn.x + c) = xv;
+    }
+    __syncthreads();
+  }
+};
+
 // Counts pairs per expert, lays the experts out (offsets, active list, 64-row GEMM tiles; one
 // warp scans) and turns pair_of's expert ids into pair rows. One block; after route_token_warp.
 __device__ void group_pairs(const MoeSched& s, bool tiles) {
