@@ -445,18 +445,13 @@ class CudaBackend final : public Backend {
     DSV3_CHECK(w.dtype == DType::F32, "norm weight not on the device");
     flush_linear();
     if (pend_.y && pend_.y == x && stride == d && pend_.n == n * d) {  // the residual add, fused
-      const cuda::CombineNorm cn{pmoe_.s, pmoe_.o, pmoe_.d, pmoe_.y, pend_.y, w.as<float>(), eps, y};
-      if (pend_.from_moe && opt_.combine_in_gemv && n == 1 && !opt_.pad_kernels && !ko("combine") &&
-          cuda::gate_norm_ok(d)) {
-        // One token: kept for the next op; the paired GEMV of the next layer's attention does it
-        // (linear), anything else launches it first (flush_norm).
-        pcomb_ = cn;
+      if (pend_.from_moe) {
+        // Kept for the next op: for one token the paired GEMV of the next layer's attention does
+        // it (linear); otherwise, or before anything else, it is launched alone (flush_norm).
+        pcomb_ = {pmoe_.s, pmoe_.o, pmoe_.d, pmoe_.y, pend_.y, w.as<float>(), eps, y};
         pmoe_.active = false;
-      } else if (pend_.from_moe) {
-        mark("moe.combine+add+rmsnorm");
-        if (!ko("combine"))
-          cuda::moe_combine_add_rmsnorm(L_, pmoe_.s, pmoe_.o, pmoe_.d, pmoe_.y, pend_.y, w.as<float>(), eps, y);
-        pmoe_.active = false;
+        if (ko("combine")) pcomb_ = {};
+        else if (!(opt_.combine_in_gemv && n == 1 && !opt_.pad_kernels)) flush_norm();
         if (opt_.pad_kernels) cuda::empty_kernels(L_, std::abs(opt_.pad_kernels), opt_.pad_kernels < 0);
       } else if (opt_.norm_in_gate && n == 1 && cuda::gate_norm_ok(d) && !ko("norm")) {
         // One token: kept for the next op; a MoE layer's gate kernel does it (moe), anything else

@@ -374,9 +374,6 @@ __global__ void __launch_bounds__(kWarps * 32, 2) gemv_splits_kernel(Job J, Gemv
   pdl_trigger();
 }
 
-constexpr int kNormPer = 8;                       // the fused residual add + norm: values per thread
-constexpr int kNormMaxD = kWarps * 32 * kNormPer;  // ... and rows of up to this many
-
 // One token's paired GEMV (gemv2) whose x is the MoE layer's pending output made into the next
 // layer's input by each block (CombineStage), then the streaming GEMV of both weights on it.
 template <int WT>
@@ -475,6 +472,9 @@ __device__ __forceinline__ void gate_slice(const Job& J, int64_t r, int64_t t0, 
     }
   }
 }
+
+constexpr int kNormPer = 8;                       // gate_route's residual add + norm: values per thread
+constexpr int kNormMaxD = kWarps * 32 * kNormPer;  // ... and rows of up to this many
 
 // The MoE gate for a few tokens (logits to J.y) with the router run by whichever block finishes
 // last (a device counter, reset by it): one launch instead of two. A block per gate row, its
