@@ -46,6 +46,84 @@ __device__ __forceinline__ void chunk_dot(const float* w, float scale, const flo
   }
 }
 
+// Elements 4q .. 4q + 3 of a 16-byte chunk of type WT, decoded to floats (unscaled for FP8).
+template <int WT>
+__device__ __forceinline__ float4 decode4(const uint4& v, int q) {
+  const uint32_t u[4] = {v.x, v.y, v.z, v.w};
+  if constexpr (WT == kBF16) {
+    const float2 lo = bf16x2_bits(u[2 * q]), hi = bf16x2_bits(u[2 * q + 1]);
+    return make_float4(lo.x, lo.y, hi.x, hi.y);
+  } else if constexpr (WT == kFP8) {
+    const float2 lo = e4m3x2_bits(u[q]), hi = e4m3x2_bits(u[q] >> 16);
+    return make_float4(lo.x, lo.y, hi.x, hi.y);
+  } else {
+    return make_float4(__uint_as_float(u[0]), __uint_as_float(u[1]), __uint_as_float(u[2]), __uint_as_float(u[3]));
+  }
+}
+
+// Both rows of a pair (a and, when has_b, b) dotted with the same x chunks, per row and token
+// the same arithmetic as chunk_dot: acc0[j] += wa · x_j, acc1[j] += wb · x_j. Each x value is
+// loaded once for both rows (two chunk_dot calls load it twice: the compiler does not merge the
+// loads). Forms by register pressure: bf16 / float32 decode both chunks whole; one FP8 token
+// decodes four weights at a time; eight FP8 tokens keep the two calls (fewest spills).
+template <int WT, int NT, bool SX = false>
+__device__ __forceinline__ void chunk_dot2(const uint4& wa4, const uint4& wb4, bool has_b, float sa, float sb,
+                                           const float* const* xr, int64_t k, float* acc0, float* acc1) {
+  constexpr int CE = chunk_elems<WT>();
+  static_assert(NT >= 1);
+  if constexpr (WT == kFP8 && NT > 1) {
+    float w[CE];
+    decode<WT>(wa4, w);
+    chunk_dot<WT, NT, SX>(w, sa, xr, k, acc0);
+    if (has_b) {
+      decode<WT>(wb4, w);
+      chunk_dot<WT, NT, SX>(w, sb, xr, k, acc1);
+    }
+    return;
+  }
+  if constexpr (WT != kFP8) {
+    float wa[CE], wb[CE];
+    decode<WT>(wa4, wa);
+    if (has_b) {
+      decode<WT>(wb4, wb);
+    } else {
+#pragma unroll
+      for (int i = 0; i < CE; ++i) wb[i] = 0.f;
+    }
+#pragma unroll
+    for (int j = 0; j < NT; ++j) {
+      if (!xr[j]) continue;
+      const float4* xp = reinterpret_cast<const float4*>(xr[j] + k);
+      float s = 0.f, t = 0.f;
+#pragma unroll
+      for (int q = 0; q < CE / 4; ++q) {
+        const float4 xv = SX ? xp[q] : __ldg(xp + q);
+        s = fmaf(wa[4 * q], xv.x, s), t = fmaf(wb[4 * q], xv.x, t);
+        s = fmaf(wa[4 * q + 1], xv.y, s), t = fmaf(wb[4 * q + 1], xv.y, t);
+        s = fmaf(wa[4 * q + 2], xv.z, s), t = fmaf(wb[4 * q + 2], xv.z, t);
+        s = fmaf(wa[4 * q + 3], xv.w, s), t = fmaf(wb[4 * q + 3], xv.w, t);
+      }
+      acc0[j] += s, acc1[j] += t;
+    }
+    return;
+  }
+  // One FP8 token: four weights of each row at a time.
+  if (!xr[0]) return;
+  const float* xp = xr[0] + k;
+  float s = 0.f, t = 0.f;
+#pragma unroll
+  for (int q = 0; q < CE / 4; ++q) {
+    const float4 a = decode4<WT>(wa4, q), b = has_b ? decode4<WT>(wb4, q) : make_float4(0.f, 0.f, 0.f, 0.f);
+    const float4 xv = SX ? reinterpret_cast<const float4*>(xp)[q] : __ldg(reinterpret_cast<const float4*>(xp) + q);
+    s = fmaf(a.x, xv.x, s), t = fmaf(b.x, xv.x, t);
+    s = fmaf(a.y, xv.y, s), t = fmaf(b.y, xv.y, t);
+    s = fmaf(a.z, xv.z, s), t = fmaf(b.z, xv.z, t);
+    s = fmaf(a.w, xv.w, s), t = fmaf(b.w, xv.w, t);
+  }
+  acc0[0] = fmaf(s, sa, acc0[0]);
+  if (has_b) acc1[0] = fmaf(t, sb, acc1[0]);
+}
+
 struct Job {
   DevLinear a, b;  // b: second row source (w3 when fused, else a)
   bool fused;
@@ -107,13 +185,8 @@ __device__ void warp_rows(const Job& J, int64_t ra, int64_t rb) {
           const int64_t c = c0 + 32 * u;
           if (c < nch) {
             const int64_t k = c * CE;
-            float w[CE];
-            decode<WT>(wa[u], w);
-            chunk_dot<WT, NT>(w, WT == kFP8 ? sa[(A.col0 + k) >> 7] : 1.f, xr, k, a0);
-            if (has_b) {
-              decode<WT>(wb[u], w);
-              chunk_dot<WT, NT>(w, WT == kFP8 ? sb[(B.col0 + k) >> 7] : 1.f, xr, k, a1);
-            }
+            chunk_dot2<WT, NT>(wa[u], wb[u], has_b, WT == kFP8 ? sa[(A.col0 + k) >> 7] : 1.f,
+                               WT == kFP8 && has_b ? sb[(B.col0 + k) >> 7] : 1.f, xr, k, a0, a1);
           }
         }
       }
@@ -229,13 +302,8 @@ struct Stream {                                                // groups; SX: x 
       const int64_t c = b * 32 * PU + 32 * u + lane;
       if (c < nch) {
         const int64_t k = c * CE;
-        float w[CE];
-        decode<WT>(wa[u], w);
-        chunk_dot<WT, NT, SX>(w, WT == kFP8 ? sa[(A.col0 + k) >> 7] : 1.f, xr, k, a0);
-        if (rb >= 0) {
-          decode<WT>(wb[u], w);
-          chunk_dot<WT, NT, SX>(w, WT == kFP8 ? sb[(B.col0 + k) >> 7] : 1.f, xr, k, a1);
-        }
+        chunk_dot2<WT, NT, SX>(wa[u], wb[u], rb >= 0, WT == kFP8 ? sa[(A.col0 + k) >> 7] : 1.f,
+                               WT == kFP8 && rb >= 0 ? sb[(B.col0 + k) >> 7] : 1.f, xr, k, a0, a1);
       }
     }
   }
