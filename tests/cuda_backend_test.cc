@@ -618,12 +618,14 @@ TEST(CudaOps, MoeDecodePathsMatchRef) {
       keep.push_back(make_linear(DType::BF16, a.n_routed_experts, a.dim, 4242));
       L.moe_w.gate = keep.back().lin.weight;
       // 0: default (tensor cores: e4m3, bf16 from 2 tokens), 1: bf16 at 1 too, 2: FMA only;
-      // 3 and 4: 0 and 2 with one token routed by the gate kernel's last block, not the experts'
-      for (int path = 0; path < 5; ++path) {
+      // 3 and 4: 0 and 2 with one token routed by the gate kernel's last block, not the experts';
+      // 5: the default with one e4m3 token on the FMA GEMVs (fp8_fma_one)
+      for (int path = 0; path < 6; ++path) {
         CudaOptions o = opts();
-        o.tc_gemv_bf16_min = path == 1 ? 1 : (path == 0 || path == 3 ? 2 : 0);
+        o.tc_gemv_bf16_min = path == 1 ? 1 : (path == 0 || path == 3 || path == 5 ? 2 : 0);
         if (path == 2 || path == 4) o.tc_gemv_max = 0;
-        o.route_in_experts = path < 3;
+        o.route_in_experts = path < 3 || path == 5;
+        if (path == 5) o.fp8_fma_one = 2;
         auto cuda = make_cuda_backend(o);
         ModelWeights dev = host;
         cuda->prepare_weights(a, dev);
@@ -1245,6 +1247,20 @@ TEST(CudaOptions, OutOfRangeDecodeOptionsAreRefused) {
   o.decode_splits = -2;
   EXPECT_THROW(o.validate(), Error);
   EXPECT_THROW(make_cuda_backend(o), Error);
+  for (int v : {-1, 3}) {
+    o = CudaOptions();
+    o.fp8_fma_one = v;
+    try {
+      o.validate();
+      ADD_FAILURE() << "fp8_fma_one " << v << " accepted";
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find("DSV3_CUDA_FP8_FMA_ONE"), std::string::npos) << e.what();
+    }
+  }
+  for (int v : {0, 1, 2}) {
+    o.fp8_fma_one = v;
+    EXPECT_NO_THROW(o.validate());
+  }
 }
 
 // The weight upload through two pinned staging buffers: ranges with gaps (alignment padding),

@@ -59,6 +59,7 @@ CudaOptions CudaOptions::from_env() {
   o.decode_splits = env_int("DSV3_CUDA_DECODE_SPLITS", o.decode_splits);
   o.tc_gemv_max = env_int("DSV3_CUDA_TC_GEMV_MAX", o.tc_gemv_max);
   o.tc_gemv_bf16_min = env_int("DSV3_CUDA_TC_GEMV_BF16_MIN", o.tc_gemv_bf16_min);
+  o.fp8_fma_one = env_int("DSV3_CUDA_FP8_FMA_ONE", o.fp8_fma_one);
   o.progress = env_flag("DSV3_CUDA_PROGRESS", isatty(2) != 0);
   o.profile = env_flag("DSV3_CUDA_PROFILE", o.profile);
   if (const char* k = std::getenv("DSV3_CUDA_KNOCKOUT")) o.knockout = k;
@@ -77,6 +78,9 @@ void CudaOptions::validate() const {
   if (decode_splits < 0)
     fail("CUDA backend: decode_splits (DSV3_CUDA_DECODE_SPLITS) must be 0 (by the cache length) or more, got ",
          decode_splits);
+  if (fp8_fma_one < 0 || fp8_fma_one > 2)
+    fail("CUDA backend: fp8_fma_one (DSV3_CUDA_FP8_FMA_ONE) must be 0 (the tensor-core GEMV), 1 (the linears on the "
+         "FMA GEMVs) or 2 (all), got ", fp8_fma_one);
 }
 
 namespace {
@@ -199,6 +203,7 @@ class CudaBackend final : public Backend {
     L_.pdl = opt_.pdl && prop.major >= 9;
     L_.tcv_max = prop.major >= 8 ? opt_.tc_gemv_max : 0;  // mma.sync bf16 / f16: sm_80+
     L_.tcv_bf16_min = opt_.tc_gemv_bf16_min;
+    L_.fp8_fma_one = opt_.fp8_fma_one;
     wgmma_ = opt_.wgmma && prop.major == 9;  // sm_90a code: Hopper only
     CK(cudaMallocHost(&staging_, kStagingBytes));
     // [gate + router][decode attention: kAttnCounters][pad][experts run: 8 bytes, 8-byte aligned]

@@ -49,6 +49,7 @@ struct Launch {
   bool pdl = false;
   int tcv_max = 0;        // GEMVs of up to this many tokens on tensor cores where they fit (kernels_tcgemv.cu); 0: off
   int tcv_bf16_min = 0;   // ... for bf16 weights from this many tokens (0: e4m3 only)
+  int fp8_fma_one = 0;    // one token's e4m3 linears (1) or all its e4m3 products (2) on the FMA GEMVs instead
 };
 
 // Multiprocessors of the current device (queried once; 132 if the query fails).

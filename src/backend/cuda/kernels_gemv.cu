@@ -719,7 +719,7 @@ bool gate_norm_ok(int64_t d) { return d >= 1 && d <= kNormMaxD && d % 4 == 0; }
 
 // Whether the FMA streaming GEMV takes w for one token (the tensor-core GEMV would not).
 static bool fma_takes(const Launch& L, const DevLinear& w) {
-  const bool tcv = L.tcv_max >= 1 && (w.t == kFP8 || (w.t == kBF16 && L.tcv_bf16_min == 1));
+  const bool tcv = L.tcv_max >= 1 && ((w.t == kFP8 && L.fp8_fma_one < 1) || (w.t == kBF16 && L.tcv_bf16_min == 1));
   return !tcv && vec_ok(w);
 }
 
