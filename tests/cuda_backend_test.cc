@@ -729,9 +729,11 @@ TEST(CudaOps, AddNormIntoGateMatchesRef) {
 TEST(CudaOps, MoeCombineIntoPairedGemvMatchesRef) {
   REQUIRE_GPU();
   auto ref = make_ref_backend();
-  for (bool in_pair : {true, false}) {
+  // fma_one: one e4m3 token's linears on the FMA GEMVs (the default) or the tensor-core GEMV
+  for (auto [in_pair, fma_one] : {std::pair{true, 1}, std::pair{false, 1}, std::pair{true, 0}}) {
     CudaOptions o = opts(false, 8, false);
     o.combine_in_gemv = in_pair;
+    o.fp8_fma_one = fma_one;
     o.profile = true;
     auto cuda = make_cuda_backend(o);
     each_moe_case(*cuda, [&](const std::string& c, const TwoWeights& W, const auto& hl, const auto& dl) {
@@ -756,7 +758,7 @@ TEST(CudaOps, MoeCombineIntoPairedGemvMatchesRef) {
       cuda->rmsnorm(hd.p, 1, D, D, dl.attn_norm, a.rms_norm_eps, x2.p);
       cuda->linear(x2.p, 1, dq, qd.p);
       cuda->linear(x2.p, 1, dl.attn.wkv_a, kvd.p);
-      const std::string what = str(c, in_pair ? " in the paired GEMV" : " alone");
+      const std::string what = str(c, in_pair ? " in the paired GEMV" : " alone", " fp8_fma_one ", fma_one);
       EXPECT_LE(rel_l2(yd.get().data(), ry.data(), ry.size()), 5e-5) << what;
       EXPECT_LE(rel_l2(hd.get().data(), rh.data(), rh.size()), 5e-5) << what;
       EXPECT_LE(rel_l2(x2.get().data(), rx.data(), rx.size()), 5e-5) << what;
@@ -764,7 +766,8 @@ TEST(CudaOps, MoeCombineIntoPairedGemvMatchesRef) {
       EXPECT_LE(rel_l2(kvd.get().data(), rkv.data(), rkv.size()), 5e-5) << what;
       const std::string rep = cuda::profile_report(*cuda, true);
       EXPECT_NE(rep.find("linear pair"), std::string::npos) << what << "\n" << rep;
-      const bool fused = in_pair && c != "v3_fp8";  // (FP8 on the tensor-core GEMV: the combine alone)
+      // (FP8 on the tensor-core GEMV: the combine alone)
+      const bool fused = in_pair && (c != "v3_fp8" || fma_one >= 1);
       EXPECT_EQ(rep.find("moe.combine+add+rmsnorm") == std::string::npos, fused) << what << "\n" << rep;
     });
   }
@@ -1231,33 +1234,30 @@ TEST(CudaOps, DeviceSamplingMatchesHostSampling) {
 // Options out of range are refused with the option's name, before any device is touched (no GPU
 // needed); the defaults pass.
 TEST(CudaOptions, OutOfRangeDecodeOptionsAreRefused) {
-  CudaOptions o;
-  EXPECT_NO_THROW(o.validate());
-  for (int v : {-1, 3}) {
-    o.decode_heads = v;
+  EXPECT_NO_THROW(CudaOptions().validate());
+  // o refused by validate, naming var, and by the backend before it touches a device
+  auto refused = [](const CudaOptions& o, const char* var, const std::string& what) {
     try {
       o.validate();
-      ADD_FAILURE() << "decode_heads " << v << " accepted";
+      ADD_FAILURE() << what << " accepted";
     } catch (const Error& e) {
-      EXPECT_NE(std::string(e.what()).find("DSV3_CUDA_DECODE_HEADS"), std::string::npos) << e.what();
+      EXPECT_NE(std::string(e.what()).find(var), std::string::npos) << e.what();
     }
-    EXPECT_THROW(make_cuda_backend(o), Error);
-  }
-  o = CudaOptions();
-  o.decode_splits = -2;
-  EXPECT_THROW(o.validate(), Error);
-  EXPECT_THROW(make_cuda_backend(o), Error);
+    EXPECT_THROW(make_cuda_backend(o), Error) << what;
+  };
   for (int v : {-1, 3}) {
+    CudaOptions o;
+    o.decode_heads = v;
+    refused(o, "DSV3_CUDA_DECODE_HEADS", str("decode_heads ", v));
     o = CudaOptions();
     o.fp8_fma_one = v;
-    try {
-      o.validate();
-      ADD_FAILURE() << "fp8_fma_one " << v << " accepted";
-    } catch (const Error& e) {
-      EXPECT_NE(std::string(e.what()).find("DSV3_CUDA_FP8_FMA_ONE"), std::string::npos) << e.what();
-    }
+    refused(o, "DSV3_CUDA_FP8_FMA_ONE", str("fp8_fma_one ", v));
   }
+  CudaOptions o;
+  o.decode_splits = -2;
+  refused(o, "DSV3_CUDA_DECODE_SPLITS", "decode_splits -2");
   for (int v : {0, 1, 2}) {
+    o = CudaOptions();
     o.fp8_fma_one = v;
     EXPECT_NO_THROW(o.validate());
   }

@@ -35,7 +35,7 @@ struct CudaOptions {
   int tc_gemv_bf16_min = 2; // ... for bf16 weights from this many tokens (DSV3_CUDA_TC_GEMV_BF16_MIN; 0: never).
                              // One token stays on the FMA GEMV: on the H200 it streams bf16 faster (the head:
                              // 4.2 against 3.2 TB/s); at 8 tokens the tensor cores win (b8 986 -> 1067 tok/s)
-  int fp8_fma_one = 0;  // one token's e4m3 products on the FMA GEMVs instead of the tensor-core GEMV: 0 none,
+  int fp8_fma_one = 1;  // one token's e4m3 products on the FMA GEMVs instead of the tensor-core GEMV: 0 none,
                         // 1 the linears (the experts stay; H200 FP8 b1 600 against 586 tok/s with 0, 551 with
                         // 2), 2 all (DSV3_CUDA_FP8_FMA_ONE)
   int attn_chunk = 512; // queries per chunk of the cuBLAS long-run attention (DSV3_CUDA_ATTN_CHUNK)
