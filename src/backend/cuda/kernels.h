@@ -49,7 +49,11 @@ struct Launch {
   bool pdl = false;
   int tcv_max = 0;        // GEMVs of up to this many tokens on tensor cores where they fit (kernels_tcgemv.cu); 0: off
   int tcv_bf16_min = 0;   // ... for bf16 weights from this many tokens (0: e4m3 only)
-  int fp8_fma_one = 0;    // one token's e4m3 linears (1) or all its e4m3 products (2) on the FMA GEMVs instead
+  int fp8_fma_one = 0;    // CudaOptions::fp8_fma_one: read it through the two functions below
+  // Whether an e4m3 linear of m tokens, or an e4m3 expert stage of n tokens, runs on the FMA
+  // GEMVs although the tensor-core GEMV would take it.
+  bool fp8_linear_on_fma(int64_t m) const { return m == 1 && fp8_fma_one >= 1; }
+  bool fp8_experts_on_fma(int64_t n) const { return n == 1 && fp8_fma_one >= 2; }
 };
 
 // Multiprocessors of the current device (queried once; 132 if the query fails).

@@ -46,19 +46,12 @@ __device__ __forceinline__ void chunk_dot(const float* w, float scale, const flo
   }
 }
 
-// Elements 4q .. 4q + 3 of a 16-byte chunk of type WT, decoded to floats (unscaled for FP8).
-template <int WT>
-__device__ __forceinline__ float4 decode4(const uint4& v, int q) {
+// e4m3 elements 4q .. 4q + 3 of a 16-byte chunk as floats (unscaled): decode's arithmetic, a
+// quarter of the chunk at a time.
+__device__ __forceinline__ float4 e4m3_decode4(const uint4& v, int q) {
   const uint32_t u[4] = {v.x, v.y, v.z, v.w};
-  if constexpr (WT == kBF16) {
-    const float2 lo = bf16x2_bits(u[2 * q]), hi = bf16x2_bits(u[2 * q + 1]);
-    return make_float4(lo.x, lo.y, hi.x, hi.y);
-  } else if constexpr (WT == kFP8) {
-    const float2 lo = e4m3x2_bits(u[q]), hi = e4m3x2_bits(u[q] >> 16);
-    return make_float4(lo.x, lo.y, hi.x, hi.y);
-  } else {
-    return make_float4(__uint_as_float(u[0]), __uint_as_float(u[1]), __uint_as_float(u[2]), __uint_as_float(u[3]));
-  }
+  const float2 lo = e4m3x2_bits(u[q]), hi = e4m3x2_bits(u[q] >> 16);
+  return make_float4(lo.x, lo.y, hi.x, hi.y);
 }
 
 // Both rows of a pair (a and, when has_b, b) dotted with the same x chunks, per row and token
@@ -113,7 +106,7 @@ __device__ __forceinline__ void chunk_dot2(const uint4& wa4, const uint4& wb4, b
   float s = 0.f, t = 0.f;
 #pragma unroll
   for (int q = 0; q < CE / 4; ++q) {
-    const float4 a = decode4<WT>(wa4, q), b = has_b ? decode4<WT>(wb4, q) : make_float4(0.f, 0.f, 0.f, 0.f);
+    const float4 a = e4m3_decode4(wa4, q), b = has_b ? e4m3_decode4(wb4, q) : make_float4(0.f, 0.f, 0.f, 0.f);
     const float4 xv = SX ? reinterpret_cast<const float4*>(xp)[q] : __ldg(reinterpret_cast<const float4*>(xp) + q);
     s = fmaf(a.x, xv.x, s), t = fmaf(b.x, xv.x, t);
     s = fmaf(a.y, xv.y, s), t = fmaf(b.y, xv.y, t);
@@ -719,7 +712,7 @@ bool gate_norm_ok(int64_t d) { return d >= 1 && d <= kNormMaxD && d % 4 == 0; }
 
 // Whether the FMA streaming GEMV takes w for one token (the tensor-core GEMV would not).
 static bool fma_takes(const Launch& L, const DevLinear& w) {
-  const bool tcv = L.tcv_max >= 1 && ((w.t == kFP8 && L.fp8_fma_one < 1) || (w.t == kBF16 && L.tcv_bf16_min == 1));
+  const bool tcv = L.tcv_max >= 1 && ((w.t == kFP8 && !L.fp8_linear_on_fma(1)) || (w.t == kBF16 && L.tcv_bf16_min == 1));
   return !tcv && vec_ok(w);
 }
 

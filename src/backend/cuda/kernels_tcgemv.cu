@@ -456,7 +456,7 @@ bool tcv_ok(const DevLinear& w) {
 
 static bool tcv_fits(const Launch& L, const DevLinear& w, int64_t m) {
   return m >= 1 && m <= L.tcv_max && m <= 8 && (w.t != kBF16 || bf16_ok(L, m)) &&
-         !(w.t == kFP8 && m == 1 && L.fp8_fma_one >= 1) && tcv_ok(w) &&
+         !(w.t == kFP8 && L.fp8_linear_on_fma(m)) && tcv_ok(w) &&
          smem_bytes(w.t, w.cols, int(m), 8, true) <= kMaxSmem;
 }
 
@@ -491,7 +491,7 @@ bool tcv_moe(const Launch& L, int stage, const DevExpert* table, int64_t max_row
   const int64_t K = ldin;  // x or h rows: as wide as the largest K of the stage
   if (s.n > L.tcv_max || s.n > 8 || !(wtype == kFP8 || (wtype == kBF16 && bf16_ok(L, s.n))) || !x_ok(in, ldin, 0))
     return false;
-  if (wtype == kFP8 && s.n == 1 && L.fp8_fma_one >= 2) return false;
+  if (wtype == kFP8 && L.fp8_experts_on_fma(s.n)) return false;
   const int64_t max_active = s.max_slots();
   const int64_t tiles = (max_rows + 15) / 16;
   const int ks = choose_ks(tiles * max_active, nit_of(wtype, K));
