@@ -9,7 +9,7 @@
 # Environment: TESTS (gtest filter, default all CUDA tests; "none" to skip), BENCH_ARGS (for
 # dsv3_cuda_bench; "none" to skip), SANITIZE=1 (compute-sanitizer memcheck over the op tests),
 # ALT_NVFLAGS (build the kernels a second time with these nvcc flags as bench_alt and run BENCH_ARGS on
-# both, alternating ALT_ROUNDS times with ALT_ARGS if given), ALT_SRC (... or from the .cu files of this copy of src/, e.g.
+# both, alternating ALT_ROUNDS times with ALT_ARGS if given), ALT_SRC (... or from the CUDA backend (.cu and .cc) of this copy of src/, e.g.
 # an untracked alt/src carried along), ALT2_NVFLAGS / ALT2_SRC (a third build, bench_alt2, in the same rounds), LT_ARGS (run dsv3_cublaslt_bench with them), CLI=1 (also build `dsv3` with the bench command) and CLI_ARGS (run it, e.g. "bench --device cuda ...").
 set -u
 cd "$(dirname "$0")/.."
@@ -73,6 +73,11 @@ if [ -n "$ALT" ]; then  # a second build of the kernels (bench_alt) for A/B runs
   for s in $ASRC/backend/cuda/*.cu; do
     compile "$s" "$B/obj_alt/$(basename "$s").o" nvcc -I$ROOT/$ASRC $NVFLAGS ${ALT_NVFLAGS:-}
   done
+  if [ -n "${ALT_SRC:-}" ]; then  # the backend's host code too (it calls the kernels' entry points), and
+    # the benchmark against its headers (CudaOptions may differ); other headers must be the same
+    for s in $ASRC/backend/cuda/*.cc; do compile "$s" "$B/obj_alt/$(basename "$s").o" g++ -I$ROOT/$ASRC $CXXFLAGS; done
+    compile bench/cuda_bench.cc "$B/bench_alt.o" g++ -I$ROOT/$ASRC $CXXFLAGS -Ibench
+  fi
 fi
 ALT2=${ALT2_NVFLAGS:-}${ALT2_SRC:-}
 if [ -n "$ALT2" ]; then  # a third build (bench_alt2: ALT2_NVFLAGS / ALT2_SRC), in the same A/B rounds
@@ -81,21 +86,28 @@ if [ -n "$ALT2" ]; then  # a third build (bench_alt2: ALT2_NVFLAGS / ALT2_SRC), 
   for s in $ASRC2/backend/cuda/*.cu; do
     compile "$s" "$B/obj_alt2/$(basename "$s").o" nvcc -I$ROOT/$ASRC2 $NVFLAGS ${ALT2_NVFLAGS:-}
   done
+  if [ -n "${ALT2_SRC:-}" ]; then
+    for s in $ASRC2/backend/cuda/*.cc; do compile "$s" "$B/obj_alt2/$(basename "$s").o" g++ -I$ROOT/$ASRC2 $CXXFLAGS; done
+    compile bench/cuda_bench.cc "$B/bench_alt2.o" g++ -I$ROOT/$ASRC2 $CXXFLAGS -Ibench
+  fi
 fi
 wait
 fail=0
 ls "$B"/FAILED_* > /dev/null 2>&1 && fail=1
 cat $B/obj/*.cu.o.log > "$OUT/ptxas.txt" 2>/dev/null
 LIBS="-L/usr/local/cuda/lib64 -lcublas -lcublasLt -lcudart -lpthread"
+# The main build's objects an alternative build links with: all but the kernels, and with a
+# source tree of its own, all but the CUDA backend's host code as well.
+main_objs() { ls $B/obj/*.o | grep -v '\.cu\.o$' | { if [ -n "$1" ]; then grep -v 'src_backend_cuda_'; else cat; fi; }; }
 if [ $fail = 0 ]; then
   g++ -o "$B/tests" "$B/test.o" $B/obj/*.o "$B/gtest-all.o" "$B/gtest_main.o" $LIBS || fail=1
   g++ -o "$B/bench" "$B/bench.o" $B/obj/*.o $LIBS || fail=1
   g++ -o "$B/ltbench" "$B/ltbench.o" $B/obj/*.o $LIBS || fail=1
   if [ -n "$ALT" ]; then
-    g++ -o "$B/bench_alt" "$B/bench.o" $(ls $B/obj/*.o | grep -v '\.cu\.o$') $B/obj_alt/*.o $LIBS || fail=1
+    g++ -o "$B/bench_alt" "$B/$([ -n "${ALT_SRC:-}" ] && echo bench_alt.o || echo bench.o)" $(main_objs "${ALT_SRC:-}") $B/obj_alt/*.o $LIBS || fail=1
   fi
   if [ -n "$ALT2" ]; then
-    g++ -o "$B/bench_alt2" "$B/bench.o" $(ls $B/obj/*.o | grep -v '\.cu\.o$') $B/obj_alt2/*.o $LIBS || fail=1
+    g++ -o "$B/bench_alt2" "$B/$([ -n "${ALT2_SRC:-}" ] && echo bench_alt2.o || echo bench.o)" $(main_objs "${ALT2_SRC:-}") $B/obj_alt2/*.o $LIBS || fail=1
   fi
   if [ "${CLI:-0}" = 1 ]; then g++ -o "$B/dsv3" $B/cli/*.o $B/obj/*.o $LIBS || fail=1; fi
 fi

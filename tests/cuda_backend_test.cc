@@ -55,15 +55,18 @@ CudaOptions opts(bool fast = false, int gemv_max = 8, bool graphs = true, int tc
 }
 // Test modes of the product paths: 0 GEMV up to 8 tokens, WMMA GEMM beyond; 1 WMMA from one
 // token; 2 as 0 in fast mode; 3 the pipelined kernel (kernels_tc.cu) from one token (its wgmma
-// form on Hopper where K % 64 == 0); 4 as 3 fast; 5 as 3 with 128-row tiles; 6 as 3 on mma.sync;
-// 7 as 3 with the wgmma form's in-flight MMA group (and 8 the same fast).
-constexpr int kModes = 9;
+// form on Hopper where K % 64 == 0; tiles of 64 rows for bf16 weights, 128 for e4m3); 4 as 3
+// fast; 5 as 3 with 128-row tiles for every weight (two warpgroups in the wgmma form); 6 as 3 on
+// mma.sync; 7 as 3 with the wgmma form's in-flight MMA group (and 8 the same fast); 9 as 5 on
+// mma.sync; 10 as 3 with 64-row tiles for every weight.
+constexpr int kModes = 11;
 CudaOptions mode_opts(int mode) {
   const bool fast = mode == 2 || mode == 4;
   CudaOptions o = opts(fast, mode == 0 || mode == 2 ? 8 : 0, true, mode >= 3 ? 1 : 1 << 30);
-  if (mode == 5) o.tc_tm = 128;
-  if (mode == 6) o.wgmma = false;
-  if (mode >= 7) o.wg_async = true, o.fast = mode == 8;
+  if (mode == 5 || mode == 9) o.tc_tm = 128;
+  if (mode == 10) o.tc_tm = 64;
+  if (mode == 6 || mode == 9) o.wgmma = false;
+  if (mode == 7 || mode == 8) o.wg_async = true, o.fast = mode == 8;
   return o;
 }
 
@@ -446,6 +449,43 @@ TEST(CudaOps, LinearPairMatchesRef) {
   }
 }
 
+// Two linears of the same activations on the pipelined kernel (wq and wkv_a at prefill) in one
+// launch: the first's rows not a whole number of tiles, so the second's tiles start past a ragged
+// one; bf16 and e4m3, plain and fast mode (both stay exact), mma.sync and wgmma forms; the
+// profile names the paired launch, so the test fails if the pair is not what ran.
+TEST(CudaOps, TensorCoreLinearPairMatchesRef) {
+  REQUIRE_GPU();
+  auto ref = make_ref_backend();
+  for (int mode : {3, 4, 5, 6, 10}) {
+    CudaOptions o = mode_opts(mode);
+    o.profile = true;
+    auto cuda = make_cuda_backend(o);
+    for (DType t : {DType::BF16, DType::F8_E4M3}) {
+      for (int64_t n : {1, 70, 130}) {
+        const int64_t in = 256;
+        HostLinear h1 = make_linear(t, 300, in, 21), h2 = make_linear(t, 72, in, 22);
+        const Linear d1 = to_device(*cuda, h1.lin), d2 = to_device(*cuda, h2.lin);
+        const std::vector<float> x = randn(size_t(n * in), 23);
+        std::vector<float> w1(size_t(n * 300)), w2(size_t(n * 72));
+        ref->linear(x.data(), n, h1.lin, w1.data());
+        ref->linear(x.data(), n, h2.lin, w2.data());
+        Dev dx(*cuda, x), y1(*cuda, w1.size()), y2(*cuda, w2.size());
+        cuda::profile_report(*cuda, true);
+        cuda->linear(dx.p, n, d1, y1.p);
+        cuda->linear(dx.p, n, d2, y2.p);
+        const std::string what = str(dtype_name(t), " n ", n, " mode ", mode);
+        EXPECT_LE(rel_l2(y1.get().data(), w1.data(), w1.size()), 3e-5) << what << " first";
+        EXPECT_LE(rel_l2(y2.get().data(), w2.data(), w2.size()), 3e-5) << what << " second";
+        const bool wgmma_fp8 = t != DType::F8_E4M3 || mode != 6;  // e4m3 takes only the wgmma form
+        const std::string rep = cuda::profile_report(*cuda, true);
+        if (wgmma_fp8) {
+          EXPECT_NE(rep.find("linear pair tc 300+72x256"), std::string::npos) << what << "\n" << rep;
+        }
+      }
+    }
+  }
+}
+
 // act_quant on the GPU: bits and scales identical to the reference's (golden kernels), and to
 // the host twin on random rows with an all-zero block, tiny and saturating values.
 TEST(CudaOps, ActQuantBitExact) {
@@ -487,50 +527,51 @@ TEST(CudaOps, RouterMatchesGate) {
   for (std::string c : {"v2lite_bf16", "v2_groups_bf16", "v3_fp8"}) {
     ModelArgs a = load_model_args(case_dir(c) + "/hf/config.json");
     const int E = a.n_routed_experts, K = a.n_activated_experts;
-    const int64_t n = 37;
-    std::vector<float> lg = randn(size_t(n * E), 11);
-    for (int64_t i = 0; i < n; i += 3) lg[size_t(i * E + 1)] = lg[size_t(i * E + 5)];  // ties
-    for (int64_t i = 1; i < n; i += 4)
-      for (int e = 0; e < E; ++e) lg[size_t(i * E + e)] = float(e % 3);  // many ties
-    std::vector<float> bias;
-    if (a.score_func == "sigmoid") bias = randn(size_t(E), 12, 0.1f);
-    Dev ld(*cuda, lg);
-    std::unique_ptr<Dev> bd;
-    if (!bias.empty()) bd = std::make_unique<Dev>(*cuda, bias);
-    std::vector<int32_t> idx(static_cast<size_t>(n * K));
-    std::vector<float> wts(static_cast<size_t>(n * K));
-    cuda->reset_counters();
-    cuda::route_for_test(*cuda, a, ld.p, bd ? bd->p : nullptr, n, idx.data(), wts.data());
-    std::vector<float> scratch(static_cast<size_t>(2 * E + a.n_expert_groups));
-    std::vector<bool> used(static_cast<size_t>(E));
-    for (int64_t i = 0; i < n; ++i) {
-      std::vector<int32_t> wi(static_cast<size_t>(K));
-      std::vector<float> ww(static_cast<size_t>(K));
-      route_token(a, &lg[size_t(i * E)], bias.empty() ? nullptr : bias.data(), wi.data(), ww.data(), scratch.data());
-      for (int k = 0; k < K; ++k) used[size_t(wi[size_t(k)])] = true;
-      for (int k = 0; k < K; ++k) {
-        EXPECT_EQ(idx[size_t(i * K + k)], wi[size_t(k)]) << c << " token " << i << " choice " << k;
-        EXPECT_NEAR(wts[size_t(i * K + k)], ww[size_t(k)], 1e-6f * std::max(1.f, std::fabs(ww[size_t(k)])))
-            << c << " token " << i;
+    for (int64_t n : {37, 300}) {  // one block routes and groups; a warp per token, then the group kernel
+      std::vector<float> lg = randn(size_t(n * E), uint32_t(11 + n));
+      for (int64_t i = 0; i < n; i += 3) lg[size_t(i * E + 1)] = lg[size_t(i * E + 5)];  // ties
+      for (int64_t i = 1; i < n; i += 4)
+        for (int e = 0; e < E; ++e) lg[size_t(i * E + e)] = float(e % 3);  // many ties
+      std::vector<float> bias;
+      if (a.score_func == "sigmoid") bias = randn(size_t(E), 12, 0.1f);
+      Dev ld(*cuda, lg);
+      std::unique_ptr<Dev> bd;
+      if (!bias.empty()) bd = std::make_unique<Dev>(*cuda, bias);
+      std::vector<int32_t> idx(static_cast<size_t>(n * K));
+      std::vector<float> wts(static_cast<size_t>(n * K));
+      cuda->reset_counters();
+      cuda::route_for_test(*cuda, a, ld.p, bd ? bd->p : nullptr, n, idx.data(), wts.data());
+      std::vector<float> scratch(static_cast<size_t>(2 * E + a.n_expert_groups));
+      std::vector<bool> used(static_cast<size_t>(E));
+      for (int64_t i = 0; i < n; ++i) {
+        std::vector<int32_t> wi(static_cast<size_t>(K));
+        std::vector<float> ww(static_cast<size_t>(K));
+        route_token(a, &lg[size_t(i * E)], bias.empty() ? nullptr : bias.data(), wi.data(), ww.data(), scratch.data());
+        for (int k = 0; k < K; ++k) used[size_t(wi[size_t(k)])] = true;
+        for (int k = 0; k < K; ++k) {
+          EXPECT_EQ(idx[size_t(i * K + k)], wi[size_t(k)]) << c << " token " << i << " choice " << k;
+          EXPECT_NEAR(wts[size_t(i * K + k)], ww[size_t(k)], 1e-6f * std::max(1.f, std::fabs(ww[size_t(k)])))
+              << c << " token " << i;
+        }
       }
+      // The device counter: the distinct experts gate.cc chose for these tokens.
+      EXPECT_EQ(cuda->routed_experts_run(), int64_t(std::count(used.begin(), used.end(), true))) << c;
+      cuda->reset_counters();
+      EXPECT_EQ(cuda->routed_experts_run(), 0) << c;
+      // Each token alone: a step of one token is routed by a whole block (ranks, not rounds).
+      for (int64_t i = 0; i < n; ++i) {
+        std::vector<int32_t> one_idx(static_cast<size_t>(K)), wi(static_cast<size_t>(K));
+        std::vector<float> one_w(static_cast<size_t>(K)), ww(static_cast<size_t>(K));
+        cuda::route_for_test(*cuda, a, ld.p + i * E, bd ? bd->p : nullptr, 1, one_idx.data(), one_w.data());
+        route_token(a, &lg[size_t(i * E)], bias.empty() ? nullptr : bias.data(), wi.data(), ww.data(), scratch.data());
+        EXPECT_EQ(one_idx, wi) << c << " token " << i << " alone";
+        for (int k = 0; k < K; ++k)
+          EXPECT_NEAR(one_w[size_t(k)], ww[size_t(k)], 1e-6f * std::max(1.f, std::fabs(ww[size_t(k)])))
+              << c << " token " << i << " alone";
+      }
+      EXPECT_EQ(cuda->routed_experts_run(), n * K) << c << " one token at a time";
+      cuda->reset_counters();
     }
-    // The device counter: the distinct experts gate.cc chose for these tokens.
-    EXPECT_EQ(cuda->routed_experts_run(), int64_t(std::count(used.begin(), used.end(), true))) << c;
-    cuda->reset_counters();
-    EXPECT_EQ(cuda->routed_experts_run(), 0) << c;
-    // Each token alone: a step of one token is routed by a whole block (ranks, not rounds).
-    for (int64_t i = 0; i < n; ++i) {
-      std::vector<int32_t> one_idx(static_cast<size_t>(K)), wi(static_cast<size_t>(K));
-      std::vector<float> one_w(static_cast<size_t>(K)), ww(static_cast<size_t>(K));
-      cuda::route_for_test(*cuda, a, ld.p + i * E, bd ? bd->p : nullptr, 1, one_idx.data(), one_w.data());
-      route_token(a, &lg[size_t(i * E)], bias.empty() ? nullptr : bias.data(), wi.data(), ww.data(), scratch.data());
-      EXPECT_EQ(one_idx, wi) << c << " token " << i << " alone";
-      for (int k = 0; k < K; ++k)
-        EXPECT_NEAR(one_w[size_t(k)], ww[size_t(k)], 1e-6f * std::max(1.f, std::fabs(ww[size_t(k)])))
-            << c << " token " << i << " alone";
-    }
-    EXPECT_EQ(cuda->routed_experts_run(), n * K) << c << " one token at a time";
-    cuda->reset_counters();
   }
 }
 
@@ -1233,7 +1274,7 @@ TEST(CudaOps, DeviceSamplingMatchesHostSampling) {
 
 // Options out of range are refused with the option's name, before any device is touched (no GPU
 // needed); the defaults pass.
-TEST(CudaOptions, OutOfRangeDecodeOptionsAreRefused) {
+TEST(CudaOptions, OutOfRangeOptionsAreRefused) {
   EXPECT_NO_THROW(CudaOptions().validate());
   // o refused by validate, naming var, and by the backend before it touches a device
   auto refused = [](const CudaOptions& o, const char* var, const std::string& what) {
@@ -1256,6 +1297,16 @@ TEST(CudaOptions, OutOfRangeDecodeOptionsAreRefused) {
   CudaOptions o;
   o.decode_splits = -2;
   refused(o, "DSV3_CUDA_DECODE_SPLITS", "decode_splits -2");
+  for (int v : {-1, 32, 96, 256}) {
+    o = CudaOptions();
+    o.tc_tm = v;
+    refused(o, "DSV3_CUDA_TC_TM", str("tc_tm ", v));
+  }
+  for (int v : {0, 64, 128}) {
+    o = CudaOptions();
+    o.tc_tm = v;
+    EXPECT_NO_THROW(o.validate());
+  }
   for (int v : {0, 1, 2}) {
     o = CudaOptions();
     o.fp8_fma_one = v;

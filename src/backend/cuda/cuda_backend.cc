@@ -78,6 +78,8 @@ void CudaOptions::validate() const {
   if (decode_splits < 0)
     fail("CUDA backend: decode_splits (DSV3_CUDA_DECODE_SPLITS) must be 0 (by the cache length) or more, got ",
          decode_splits);
+  if (tc_tm != 0 && tc_tm != 64 && tc_tm != 128)
+    fail("CUDA backend: tc_tm (DSV3_CUDA_TC_TM) must be 0 (by the weight type), 64 or 128 rows per tile, got ", tc_tm);
   if (fp8_fma_one < 0 || fp8_fma_one > 2)
     fail("CUDA backend: fp8_fma_one (DSV3_CUDA_FP8_FMA_ONE) must be 0 (the tensor-core GEMV), 1 (the linears on the "
          "FMA GEMVs) or 2 (all), got ", fp8_fma_one);
@@ -488,6 +490,20 @@ class CudaBackend final : public Backend {
 
   void linear(const float* x, int64_t n, const Linear& w, float* y) override {
     const DevLinear dw = dev_linear(w);
+    // Two products of the pipelined kernel on the same activations (wq and wkv_a at prefill):
+    // one split of x, one launch (the first's weight row tiles, then the second's).
+    if (plin_.x == x && plin_.n == n && tc_pair_ok(plin_.w, dw, n)) {
+      const PendingLinear p = plin_;
+      plin_ = {};
+      flush_add();
+      if (opt_.profile) mark(str("linear pair tc ", p.w.rows, "+", dw.rows, "x", dw.cols, " ", dtype_name(w.weight.dtype)));
+      cuda::TcJob j = split_input(x, n, dw.cols, /*fast=*/false);
+      j.w = p.w, j.M = n, j.c = p.y, j.ldc = p.w.rows;
+      j.w_pair = dw, j.c_pair = y, j.ldc_pair = dw.rows;
+      set_form(j, dw.cols % 64 == 0, dw.t);
+      cuda::tc_gemm(L_, j, cuda::tc_tiles(n, j.tm), cuda::tc_pair_rows(j));
+      return;
+    }
     // Two GEMVs on the same activations (wq and wkv_a at decode) share one launch: the first one
     // waits in plin_ for the next op. A kept MoE combine + add + norm that made x goes into it.
     if (plin_.x == x && plin_.n == n && cuda::gemv2_ok(plin_.w, dw, x, n)) {
@@ -502,7 +518,8 @@ class CudaBackend final : public Backend {
       else if (!ko("pair")) cuda::gemv2(L_, p.w, p.y, dw, y, x, n);
       return;
     }
-    const bool pair = opt_.pair_gemv && n <= std::min(opt_.gemv_max, 8) && !(use_tc(n) && tc_takes(dw));
+    const bool tc = use_tc(n) && tc_takes(dw);
+    const bool pair = opt_.pair_gemv && (tc || n <= std::min(opt_.gemv_max, 8));
     cuda::CombineNorm keep;  // a kept combine + norm for x stays kept while this linear waits for a partner
     if (pair && pcomb_.h && pcomb_.x == x && plin_.x != x) keep = pcomb_, pcomb_ = {};
     flush_add();
@@ -586,18 +603,25 @@ class CudaBackend final : public Backend {
     float* logits = f32(kLogits, size_t(n * E));
     cuda::MoeSched s = sched(n, E, K, T.S);
     const bool tc = use_tc(n) && T.tc;
-    if (tc) s.tile_rows = tile_m();
+    if (tc) s.tile_rows = tile_m(T.wtype);
     cuda::RouteArgs r;
     r.E = E, r.K = K, r.G = a.n_expert_groups, r.topk_groups = a.n_limited_groups;
     r.sigmoid = a.score_func != "softmax", r.norm = a.norm_topk_prob, r.route_scale = a.route_scale;
     const float* bias = w.bias.empty() ? nullptr : w.bias.as<float>();
     const int64_t P = s.P(), D = a.dim;
     const bool gemvs = !tc && (n <= opt_.gemv_max || !T.gemm);
+    cuda::TcJob xs;  // x's split when the gate made it
     if (fused_gate) {
       // One token on the expert GEMVs: their blocks route it from the logits (no last-block router).
       const bool rie = opt_.route_in_experts && gemvs && n == 1 && E <= 256 && !ko("experts");
       if (!ko("gate")) cuda::gate_route(L_, gate, x, n, logits, r, bias, s, counter_, !rie, norm.h ? &norm : nullptr);
       if (rie) s.route_logits = logits, s.route_bias = bias, s.route = r;
+    } else if (tc && use_tc(n) && tc_takes(gate) && gate.cols == D) {
+      // x split once (hi + lo) for the gate (exact) and the experts' first stage (hi only when fast).
+      xs = split_input(x, n, D, /*fast=*/false);
+      tc_linear(xs, gate, n, logits, E);
+      mark("moe.route");
+      cuda::moe_route(L_, r, logits, bias, s, nullptr, nullptr);
     } else {
       run_linear(gate, x, n, logits, E, /*exact=*/true);  // routing: no bf16 shortcut
       mark("moe.route");
@@ -606,8 +630,9 @@ class CudaBackend final : public Backend {
     mark("moe.experts");
     float* o = f32(kMoeO, size_t(P * D));
     if (tc) {
-      cuda::TcJob j0 = split_input(x, n, D, fast_at(n));
-      set_form(j0, T.k64, T.wtype);  // tile rows as the schedule's
+      cuda::TcJob j0 = xs.a_hi ? xs : split_input(x, n, D, fast_at(n));
+      if (fast_at(n)) j0.a_lo = nullptr;
+      set_form(j0, T.k64, T.wtype);  // tile rows as the schedule's (by the weight type)
       j0.grouped = true, j0.experts = T.dev, j0.a_idx = s.perm;
       j0.cnt = s.cnt, j0.off = s.off, j0.tile_e = s.tile_e, j0.tile_m0 = s.tile_m0, j0.n_tiles = s.n_tiles;
       cuda::TcJob j1 = j0;
@@ -1031,16 +1056,7 @@ class CudaBackend final : public Backend {
   void run_linear(const DevLinear& w, const float* x, int64_t n, float* y, int64_t ldy, bool exact = false) {
     const bool fast = fast_at(n) && !exact;
     if (use_tc(n) && tc_takes(w)) {
-      cuda::TcJob j = split_input(x, n, w.cols, fast);
-      j.w = w, j.M = n, j.c = y, j.ldc = ldy;
-      // Few output tiles (the gate, wkv_a): split K so every SM gets work.
-      set_form(j, w.cols % 64 == 0, w.t);
-      const int64_t tiles = cuda::tc_out_tiles(n, w.rows, false, j.tm), ksteps = w.cols / 32;
-      if (tiles < 132 && ksteps >= 16) {
-        j.splits = int(std::min<int64_t>(ksteps / 8, (264 + tiles - 1) / tiles));
-        if (j.splits > 1) j.ws = f32(kSplitK, size_t(j.splits * n * w.rows));
-      }
-      cuda::tc_gemm(L_, j, cuda::tc_tiles(n, j.tm), w.rows);
+      tc_linear(split_input(x, n, w.cols, fast), w, n, y, ldy);
     } else if (n <= opt_.gemv_max || w.t == cuda::kF32 || !cuda::gemm_ok(w)) {
       cuda::gemv(L_, w, nullptr, x, w.cols, nullptr, n, y, ldy);
     } else {
@@ -1048,23 +1064,42 @@ class CudaBackend final : public Backend {
     }
   }
 
+  // y[n, out] = x · Wᵀ on the pipelined kernel, x already split into j's A operand.
+  void tc_linear(cuda::TcJob j, const DevLinear& w, int64_t n, float* y, int64_t ldy) {
+    j.w = w, j.M = n, j.c = y, j.ldc = ldy;
+    // Few output tiles (the gate, wkv_a alone): split K so every SM gets work.
+    set_form(j, w.cols % 64 == 0, w.t);
+    const int64_t tiles = cuda::tc_out_tiles(n, w.rows, false, j.tm), ksteps = w.cols / 32;
+    if (tiles < 132 && ksteps >= 16) {
+      j.splits = int(std::min<int64_t>(ksteps / 8, (264 + tiles - 1) / tiles));
+      if (j.splits > 1) j.ws = f32(kSplitK, size_t(j.splits * n * w.rows));
+    }
+    cuda::tc_gemm(L_, j, cuda::tc_tiles(n, j.tm), w.rows);
+  }
+
   bool use_tc(int64_t n) const { return n >= opt_.tc_min; }
-  // 64-row tiles unless asked: on the H200 the 128-row form (64x64 per warp) measured slower for
-  // the 16B shape's prefill (24.6k against 28.0k tok/s in fast mode).
-  int tile_m() const { return opt_.tc_tm == 128 ? 128 : 64; }
+  // Whether two linears of the same n activations run as one pipelined-kernel launch (w's row
+  // tiles, then w2's): both taken there with the same K and weight type.
+  bool tc_pair_ok(const cuda::DevLinear& w, const cuda::DevLinear& w2, int64_t n) const {
+    return opt_.pair_gemv && use_tc(n) && tc_takes(w) && tc_takes(w2) && w.cols == w2.cols && w.t == w2.t;
+  }
+  // Tile rows for weights of type wtype: as asked, else 128 for e4m3 (the wgmma form's two
+  // warpgroups share each widened weight tile: half the widening per product) and 64 for bf16
+  // (more blocks per SM; 128 measured slower, CudaOptions::tc_tm).
+  int tile_m(int32_t wtype) const { return opt_.tc_tm ? opt_.tc_tm : (wtype == cuda::kFP8 ? 128 : 64); }
   // The pipelined kernel's form for a job: tile rows, and wgmma where the device and every K
   // (k64: all multiples of 64) allow it.
   void set_form(cuda::TcJob& j, bool k64, int32_t wtype) const {
-    j.tm = tile_m();
-    j.wgmma = wgmma_ && j.tm == 64 && k64;
+    j.tm = tile_m(wtype);
+    j.wgmma = wgmma_ && k64;
     j.fp8 = wtype == cuda::kFP8;
-    j.wg_async = opt_.wg_async && !j.fp8;
+    j.wg_async = opt_.wg_async && !j.fp8 && j.tm == 64;
     DSV3_CHECK(!j.fp8 || j.wgmma, "FP8 weights reach the pipelined kernel only in its wgmma form");
   }
   // Whether the pipelined kernel takes w: bf16 in either form; FP8 (widened to bf16 in shared
-  // memory, block scales on the partial sums) in the wgmma form with 64-row tiles.
+  // memory, block scales on the partial sums) in the wgmma form.
   bool tc_takes(const cuda::DevLinear& w) const {
-    if (w.t == cuda::kFP8) return opt_.fp8_wgmma && wgmma_ && tile_m() == 64 && cuda::tc_ok_fp8(w);
+    if (w.t == cuda::kFP8) return opt_.fp8_wgmma && wgmma_ && cuda::tc_ok_fp8(w);
     return cuda::tc_ok(w);
   }
   // Fast mode's bf16 activations for products of prefill size only: decode is bound by the weight

@@ -39,7 +39,10 @@ struct CudaOptions {
                         // 1 the linears (the experts stay; H200 FP8 b1 600 against 586 tok/s with 0, 551 with
                         // 2), 2 all (DSV3_CUDA_FP8_FMA_ONE)
   int attn_chunk = 512; // queries per chunk of the cuBLAS long-run attention (DSV3_CUDA_ATTN_CHUNK)
-  int tc_tm = 64;       // rows per tile of the pipelined kernel: 64 or 128 (DSV3_CUDA_TC_TM)
+  int tc_tm = 0;        // rows per tile of the pipelined kernel: 64, 128 (two warpgroups in the wgmma form), or 0:
+                        // 128 for e4m3 weights, 64 for bf16 (DSV3_CUDA_TC_TM). H200 prefill 1024 (tok/s): FP8
+                        // 20.0k -> 23.9k float32-grade, 30.7k -> 31.9k fast; bf16 31.6k / 45.7k at 64 against
+                        // 27.4k / 44.0k at 128
   int fast_min = 64;    // fast mode only for steps of at least this many tokens (DSV3_CUDA_FAST_MIN)
   int gemv_max = 8;     // the GEMV kernels up to this many tokens, tensor cores above (DSV3_CUDA_GEMV_MAX)
   int tc_min = 9;       // from this many tokens: the pipelined bf16 GEMM (kernels_tc.cu) for bf16 weights

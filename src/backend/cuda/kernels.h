@@ -178,6 +178,11 @@ struct TcJob {
   bool swiglu = false;
   float* c = nullptr;
   int64_t ldc = 0, col = 0;
+  // A second linear of the same activations in the same launch (wq and wkv_a at prefill): the
+  // weight row tiles past w's go to w_pair, written to c_pair [M, ldc_pair] (plain jobs only).
+  DevLinear w_pair;
+  float* c_pair = nullptr;
+  int64_t ldc_pair = 0;
   void* o_hi = nullptr;
   void* o_lo = nullptr;
   int64_t ldo = 0;
@@ -193,8 +198,8 @@ struct TcJob {
   int splits = 1;
   float* ws = nullptr;
   int tm = 64;  // rows per tile: 64 or 128 (grouped: must match the schedule's tile_rows)
-  bool wgmma = false;     // sm_90a warpgroup MMAs (tm 64; every K a multiple of 64)
-  bool wg_async = false;  // ... keeping one MMA group in flight behind the next stage's loads
+  bool wgmma = false;     // sm_90a warpgroup MMAs (a warpgroup per 64 tile rows; every K a multiple of 64)
+  bool wg_async = false;  // ... keeping one MMA group in flight behind the next stage's loads (tm 64)
   bool fp8 = false;       // e4m3 weights with 128x128 block scales (tc_ok_fp8; wgmma form, no in-flight group)
 };
 // Output tiles of a plain job (occupancy: split-K pays below ~2 tiles per SM).
@@ -202,6 +207,8 @@ int64_t tc_out_tiles(int64_t M, int64_t N, bool swiglu, int tm);
 // grid_m: M tiles (tc_tiles(M, tm)) or, grouped, the schedule's max_tiles(); max_n: largest weight rows.
 void tc_gemm(const Launch& L, const TcJob& j, int64_t grid_m, int64_t max_n, int batch = 1);
 int64_t tc_tiles(int64_t M, int tm);
+// max_n of a pair job (w_pair): the first weight's rows rounded up to whole tiles, then the second's.
+int64_t tc_pair_rows(const TcJob& j);
 // hi = bf16(x), lo = bf16(x - hi) (lo may be null) for `rows` rows of `cols` floats `ldx` apart,
 // written densely [rows, cols].
 void split_rows(const Launch& L, const float* x, int64_t rows, int64_t cols, int64_t ldx, void* hi, void* lo);

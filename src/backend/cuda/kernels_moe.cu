@@ -10,7 +10,7 @@ namespace dsv3::cuda {
 namespace {
 
 // mode 0: route and group in one block (few tokens); 1: route only, a warp per token over many
-// blocks; 2: group only (one block).
+// blocks (group_kernel groups).
 __global__ void __launch_bounds__(kRouteWarps * 32) route_kernel(int mode, RouteArgs ra,
                                                                  const float* __restrict__ logits,
                                                                  const float* __restrict__ bias, MoeSched s,
@@ -24,7 +24,7 @@ __global__ void __launch_bounds__(kRouteWarps * 32) route_kernel(int mode, Route
     route_one_block(ra, logits, bias, s, topk_idx, topk_w);
     return;
   }
-  if (mode != 2) {
+  {
     const int64_t first = int64_t(blockIdx.x) * nwarps + warp, stride = int64_t(gridDim.x) * nwarps;
     for (int64_t i = first; i < s.n; i += stride)
       route_token_warp(ra, logits, bias, s, i, sc_s[warp], ch_s[warp], gs_s[warp], topk_idx, topk_w);
@@ -32,6 +32,13 @@ __global__ void __launch_bounds__(kRouteWarps * 32) route_kernel(int mode, Route
   if (mode == 1) return;
   __syncthreads();
   group_pairs(s, tiles);
+}
+
+// group_pairs alone, a thread per token in a block of 1024 (after route_kernel's mode 1).
+__global__ void __launch_bounds__(1024) group_kernel(MoeSched s) {
+  pdl_wait();
+  pdl_trigger();
+  group_pairs(s, true);
 }
 
 __global__ void combine_kernel(MoeSched s, const float* __restrict__ o, int64_t d, float* __restrict__ y) {
@@ -157,7 +164,7 @@ void moe_route(const Launch& L, const RouteArgs& r, const float* logits, const f
   } else {
     launch(L, route_kernel, dim3(cdiv(s.n, kRouteWarps)), dim3(kRouteWarps * 32), 0, 1, r, logits, bias, s, tiles,
            topk_idx, topk_w);
-    launch(L, route_kernel, dim3(1), dim3(kRouteWarps * 32), 0, 2, r, logits, bias, s, tiles, topk_idx, topk_w);
+    launch(L, group_kernel, dim3(1), dim3(1024), 0, s);
   }
 }
 

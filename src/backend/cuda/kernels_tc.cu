@@ -117,7 +117,8 @@ __global__ void __launch_bounds__(TM / WM * 64) tc_gemm_kernel(TcJob j) {
   constexpr int kThreads = TM / WM * 64, kAElems = TM * BK, kBElems = TN * BK,
                 kBPer = TN * (F8 ? BK / 16 : CPR) / kThreads, kAPer = TM * CPR / kThreads, MI = WM / 16;
   constexpr int kFElems = F8 ? TN * BK / 2 : 0;  // the e4m3 staging tile, in bf16-sized units
-  static_assert(!WG || (TM == 64 && kThreads == 128), "wgmma form: one warpgroup, 64 rows");
+  static_assert(!WG || kThreads == 2 * TM, "wgmma form: a warpgroup per 64 rows");
+  static_assert(!WG || TM == 64 || !ASYNC, "wgmma form with 128 rows: no in-flight group");
   extern __shared__ __align__(128) unsigned char smem_raw[];
   unsigned char* smem = WG ? reinterpret_cast<unsigned char*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023))
                            : smem_raw;
@@ -145,6 +146,12 @@ __global__ void __launch_bounds__(TM / WM * 64) tc_gemm_kernel(TcJob j) {
     Mv = imin(TM, j.M - m0);
     W0 = j.w;
     W1 = j.w3;
+  }
+  float* cout = j.c;  // the plain output, or the pair's second
+  int64_t ldc = j.ldc, ccol = j.col;
+  if (j.w_pair.w) {
+    const int64_t first = (j.w.rows + TN - 1) / TN * TN;  // row tiles of the first weight
+    if (n0 >= first) n0 -= first, W0 = j.w_pair, cout = j.c_pair, ldc = j.ldc_pair, ccol = 0;
   }
   const int64_t N = W0.rows, K = W0.cols;
   if (n0 >= N) return;
@@ -253,8 +260,8 @@ __global__ void __launch_bounds__(TM / WM * 64) tc_gemm_kernel(TcJob j) {
       const int nx = kt + P;
       if (nx < nk) load_stage(nx % kS, kt0 + nx);
       cp_async_commit();
-      const int st = kt % kS;
-      const uint64_t dh = wg_desc(smem_addr(sA(st, 0))), dl = wg_desc(smem_addr(sA(st, 1))),
+      const int st = kt % kS, arow = (warp >> 2) * 64 * BK;  // this warpgroup's 64 A rows
+      const uint64_t dh = wg_desc(smem_addr(sA(st, 0) + arow)), dl = wg_desc(smem_addr(sA(st, 1) + arow)),
                      db = wg_desc(smem_addr(sB(st)));
       float (&acc)[64] = F8 ? dp : d;
       const bool fresh = F8 && (kt == 0 || ((kt0 + kt) & 1) == 0);  // first K step of a 128-K block
@@ -292,7 +299,8 @@ __global__ void __launch_bounds__(TM / WM * 64) tc_gemm_kernel(TcJob j) {
     for (int i = 0; i < 64; ++i) reg_fence(d[i]);
     cp_async_wait<0>();
     __syncthreads();
-    // accumulator of warp w: rows 16w + g (+ 8), columns 8 jn + 2t (+ 1)
+    // accumulator of warp w (warpgroup w / 4 holds rows 64 (w / 4) ..): rows 16w + g (+ 8),
+    // columns 8 jn + 2t (+ 1)
     const int g = lane >> 2, t = lane & 3;
 #pragma unroll
     for (int jn = 0; jn < 16; ++jn) {
@@ -382,12 +390,12 @@ __global__ void __launch_bounds__(TM / WM * 64) tc_gemm_kernel(TcJob j) {
       }
       return;
     }
-    float* cb = j.c + bz * j.shift.ys;
+    float* cb = cout + bz * j.shift.ys;
     for (int e = tid; e < TM * TN; e += kThreads) {
       const int r = e / TN, c = e % TN;
       if (r >= Mv || c >= nv) continue;
       const int64_t orow = arow0 + m0 + r;
-      cb[orow * j.ldc + j.col + n0 + c] = ct[r * kLdc + c];
+      cb[orow * ldc + ccol + n0 + c] = ct[r * kLdc + c];
     }
   }
 }
@@ -414,6 +422,28 @@ __global__ void split_rows_kernel(const float* __restrict__ x, int64_t rows, int
   for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < total; i += int64_t(gridDim.x) * blockDim.x) {
     const int64_t r = i / cols, c = i - r * cols;
     split_bf16(x[r * ldx + c], hi, lo, i);
+  }
+}
+
+// The same split, 8 columns per thread: two float4 loads, one 16-byte store per part (cols and
+// ldx multiples of 8, every pointer 16-byte aligned: split_rows checks).
+__global__ void split_rows8_kernel(const float* __restrict__ x, int64_t rows, int64_t cols, int64_t ldx,
+                                   __nv_bfloat16* __restrict__ hi, __nv_bfloat16* __restrict__ lo) {
+  pdl_wait();
+  pdl_trigger();
+  const int64_t cpr = cols / 8, total = rows * cpr;
+  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < total; i += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t r = i / cpr, c = (i - r * cpr) * 8;
+    const float4 a = *reinterpret_cast<const float4*>(x + r * ldx + c), b = *reinterpret_cast<const float4*>(x + r * ldx + c + 4);
+    const float v[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
+    __align__(16) __nv_bfloat16 h[8], l[8];
+#pragma unroll
+    for (int u = 0; u < 8; ++u) {
+      h[u] = __float2bfloat16_rn(v[u]);
+      l[u] = __float2bfloat16_rn(v[u] - __bfloat162float(h[u]));
+    }
+    *reinterpret_cast<uint4*>(hi + r * cols + c) = *reinterpret_cast<const uint4*>(h);
+    if (lo) *reinterpret_cast<uint4*>(lo + r * cols + c) = *reinterpret_cast<const uint4*>(l);
   }
 }
 
@@ -481,10 +511,12 @@ void tc_launch(const Launch& L, const TcJob& j, int64_t grid_m, int64_t max_n, i
       else tc_launch_lo<TM, WM, WG, false, false, true>(L, j, grid_m, max_n, batch);
       return;
     }
-    if (j.wg_async) {
-      if (j.a_lo) tc_launch_lo<TM, WM, WG, true, true>(L, j, grid_m, max_n, batch);
-      else tc_launch_lo<TM, WM, WG, false, true>(L, j, grid_m, max_n, batch);
-      return;
+    if constexpr (TM == 64) {
+      if (j.wg_async) {
+        if (j.a_lo) tc_launch_lo<TM, WM, WG, true, true>(L, j, grid_m, max_n, batch);
+        else tc_launch_lo<TM, WM, WG, false, true>(L, j, grid_m, max_n, batch);
+        return;
+      }
     }
   }
   if (j.a_lo) tc_launch_lo<TM, WM, WG, true, false>(L, j, grid_m, max_n, batch);
@@ -495,10 +527,15 @@ void tc_launch(const Launch& L, const TcJob& j, int64_t grid_m, int64_t max_n, i
 
 void tc_gemm(const Launch& L, const TcJob& j, int64_t grid_m, int64_t max_n, int batch) {
   if (j.splits > 1) DSV3_CHECK(batch == 1 && !j.grouped && !j.swiglu && j.ws, "split-K: plain single products only");
+  if (j.w_pair.w)
+    DSV3_CHECK(batch == 1 && j.splits == 1 && !j.grouped && !j.swiglu && j.c_pair && j.w_pair.cols == j.w.cols &&
+                   j.w_pair.t == j.w.t && max_n == tc_pair_rows(j),
+               "tc_gemm pair: two plain products of the same activations and weight type, max_n tc_pair_rows");
   DSV3_CHECK(!j.fp8 || j.wgmma, "FP8 weights in the pipelined kernel: wgmma form only");
   if (j.wgmma) {
-    DSV3_CHECK(j.tm == 64, "the wgmma form has 64-row tiles");
-    tc_launch<64, 32, true>(L, j, grid_m, max_n, batch);
+    DSV3_CHECK(j.tm == 64 || (j.tm == 128 && !j.wg_async), "the wgmma form: 64-row tiles, or 128 without wg_async");
+    if (j.tm == 128) tc_launch<128, 32, true>(L, j, grid_m, max_n, batch);
+    else tc_launch<64, 32, true>(L, j, grid_m, max_n, batch);
   } else if (j.tm == 128) {
     tc_launch<128, 64, false>(L, j, grid_m, max_n, batch);
   } else {
@@ -517,7 +554,18 @@ int64_t tc_out_tiles(int64_t M, int64_t N, bool swiglu, int tm) {
 
 int64_t tc_tiles(int64_t M, int tm) { return (M + tm - 1) / tm; }
 
+int64_t tc_pair_rows(const TcJob& j) { return (j.w.rows + TN - 1) / TN * TN + j.w_pair.rows; }
+
 void split_rows(const Launch& L, const float* x, int64_t rows, int64_t cols, int64_t ldx, void* hi, void* lo) {
+  const bool v8 = cols % 8 == 0 && ldx % 4 == 0 &&
+                  ((reinterpret_cast<uintptr_t>(x) | reinterpret_cast<uintptr_t>(hi) | reinterpret_cast<uintptr_t>(lo)) & 15) == 0;
+  if (v8) {
+    const int64_t total = rows * cols / 8;
+    const unsigned blocks = unsigned(std::min<int64_t>((total + 255) / 256, 132 * 8));
+    launch(L, split_rows8_kernel, dim3(blocks), dim3(256), 0, x, rows, cols, ldx, static_cast<__nv_bfloat16*>(hi),
+           static_cast<__nv_bfloat16*>(lo));
+    return;
+  }
   const int64_t total = rows * cols;
   const unsigned blocks = unsigned(std::min<int64_t>((total + 255) / 256, 132 * 16));
   launch(L, split_rows_kernel, dim3(blocks), dim3(256), 0, x, rows, cols, ldx, static_cast<__nv_bfloat16*>(hi),

@@ -352,7 +352,19 @@ __device__ void group_pairs(const MoeSched& s, bool tiles) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   for (int e = threadIdx.x; e < NE; e += blockDim.x) cnt[e] = e < E ? 0 : int(n), fill[e] = 0;
   __syncthreads();
-  for (int64_t p = threadIdx.x; p < n * K; p += blockDim.x) atomicAdd(&cnt[s.pair_of[(p / K) * Kt + p % K]], 1);
+  // A thread per token, its K expert ids loaded before any atomic (all loads in flight at once).
+  auto ids_of = [&](int64_t i, int (&id)[kMaxK]) {
+#pragma unroll
+    for (int k = 0; k < kMaxK; ++k)
+      if (k < K) id[k] = __ldcg(s.pair_of + i * Kt + k);
+  };
+  for (int64_t i = threadIdx.x; i < n; i += blockDim.x) {
+    int id[kMaxK];
+    ids_of(i, id);
+#pragma unroll
+    for (int k = 0; k < kMaxK; ++k)
+      if (k < K) atomicAdd(&cnt[id[k]], 1);
+  }
   __syncthreads();
   if (warp == 0) {
     int base = 0, na = 0, nt = 0;
@@ -379,9 +391,12 @@ __device__ void group_pairs(const MoeSched& s, bool tiles) {
   }
   __syncthreads();
   for (int64_t i = threadIdx.x; i < n; i += blockDim.x) {
-    for (int k = 0; k < K; ++k) {
-      const int e = s.pair_of[i * Kt + k];
-      const int p = off[e] + atomicAdd(&fill[e], 1);
+    int id[kMaxK];
+    ids_of(i, id);
+#pragma unroll
+    for (int k = 0; k < kMaxK; ++k) {
+      if (k >= K) break;
+      const int p = off[id[k]] + atomicAdd(&fill[id[k]], 1);
       s.perm[p] = int32_t(i);
       s.pair_of[i * Kt + k] = p;
     }
