@@ -58,13 +58,16 @@ CudaOptions opts(bool fast = false, int gemv_max = 8, bool graphs = true, int tc
 // form on Hopper where K % 64 == 0; tiles of 64 rows for bf16 weights, 128 for e4m3); 4 as 3
 // fast; 5 as 3 with 128-row tiles for every weight (two warpgroups in the wgmma form); 6 as 3 on
 // mma.sync; 7 as 3 with the wgmma form's in-flight MMA group (and 8 the same fast); 9 as 5 on
-// mma.sync; 10 as 3 with 64-row tiles for every weight.
-constexpr int kModes = 11;
+// mma.sync; 10 as 3 with 64-row tiles for every weight and the MoE stages' operands never
+// swapped (tc_swap 0; by default they are for e4m3 weights and in fast mode: weight rows as the
+// wgmma's M, tokens as its N); 11 as 3 with them always swapped, 12 the same fast.
+constexpr int kModes = 13;
 CudaOptions mode_opts(int mode) {
   const bool fast = mode == 2 || mode == 4;
   CudaOptions o = opts(fast, mode == 0 || mode == 2 ? 8 : 0, true, mode >= 3 ? 1 : 1 << 30);
   if (mode == 5 || mode == 9) o.tc_tm = 128;
-  if (mode == 10) o.tc_tm = 64;
+  if (mode == 10) o.tc_tm = 64, o.tc_swap = 0;
+  if (mode == 11 || mode == 12) o.tc_swap = 2, o.fast = mode == 12;
   if (mode == 6 || mode == 9) o.wgmma = false;
   if (mode == 7 || mode == 8) o.wg_async = true, o.fast = mode == 8;
   return o;
@@ -223,7 +226,7 @@ TEST(CudaOps, LinearMatchesRef) {
                                       {70, 260, 272}, {130, 129, 128}, {9, 200, 136}, {2, 33, 4096}, {200, 515, 96},
                                       {65, 128, 1024}, {64, 1, 32},   {300, 200, 128}, {257, 640, 64}};
   for (int mode = 0; mode < kModes; ++mode) {
-    const bool fast = mode == 2 || mode == 4 || mode == 8;
+    const bool fast = mode == 2 || mode == 4 || mode == 8 || mode == 12;
     auto cuda = make_cuda_backend(mode_opts(mode));
     for (DType t : {DType::BF16, DType::F8_E4M3, DType::F32}) {
       for (const LinCase& c : cases) {
@@ -594,7 +597,7 @@ TEST(CudaOps, MlpAndMoeMatchRef) {
   auto ref = make_ref_backend();
   for (int mode = 0; mode < kModes; ++mode) {
     auto cuda = make_cuda_backend(mode_opts(mode));
-    const bool fast = mode == 2 || mode == 4 || mode == 8;
+    const bool fast = mode == 2 || mode == 4 || mode == 8 || mode == 12;
     for (std::string c : {"v2lite_bf16", "v2_groups_bf16", "v3_fp8"}) {
       TwoWeights W(c, *cuda);
       const int64_t D = W.a.dim;
@@ -1286,31 +1289,30 @@ TEST(CudaOptions, OutOfRangeOptionsAreRefused) {
     }
     EXPECT_THROW(make_cuda_backend(o), Error) << what;
   };
-  for (int v : {-1, 3}) {
-    CudaOptions o;
-    o.decode_heads = v;
-    refused(o, "DSV3_CUDA_DECODE_HEADS", str("decode_heads ", v));
-    o = CudaOptions();
-    o.fp8_fma_one = v;
-    refused(o, "DSV3_CUDA_FP8_FMA_ONE", str("fp8_fma_one ", v));
-  }
-  CudaOptions o;
-  o.decode_splits = -2;
-  refused(o, "DSV3_CUDA_DECODE_SPLITS", "decode_splits -2");
-  for (int v : {-1, 32, 96, 256}) {
-    o = CudaOptions();
-    o.tc_tm = v;
-    refused(o, "DSV3_CUDA_TC_TM", str("tc_tm ", v));
-  }
-  for (int v : {0, 64, 128}) {
-    o = CudaOptions();
-    o.tc_tm = v;
-    EXPECT_NO_THROW(o.validate());
-  }
-  for (int v : {0, 1, 2}) {
-    o = CudaOptions();
-    o.fp8_fma_one = v;
-    EXPECT_NO_THROW(o.validate());
+  // Each integer option: values refused (naming its variable) and values accepted.
+  struct IntOption {
+    int CudaOptions::*field;
+    const char* var;
+    std::vector<int> bad, good;
+  };
+  const IntOption cases[] = {
+      {&CudaOptions::decode_heads, "DSV3_CUDA_DECODE_HEADS", {-1, 3}, {0, 1, 2}},
+      {&CudaOptions::decode_splits, "DSV3_CUDA_DECODE_SPLITS", {-2}, {0, 1, 16}},
+      {&CudaOptions::fp8_fma_one, "DSV3_CUDA_FP8_FMA_ONE", {-1, 3}, {0, 1, 2}},
+      {&CudaOptions::tc_tm, "DSV3_CUDA_TC_TM", {-1, 32, 96, 256}, {0, 64, 128}},
+      {&CudaOptions::tc_swap, "DSV3_CUDA_TC_SWAP", {-1, 3}, {0, 1, 2}},
+  };
+  for (const IntOption& c : cases) {
+    for (int v : c.bad) {
+      CudaOptions o;
+      o.*c.field = v;
+      refused(o, c.var, str(c.var, " = ", v));
+    }
+    for (int v : c.good) {
+      CudaOptions o;
+      o.*c.field = v;
+      EXPECT_NO_THROW(o.validate()) << c.var << " = " << v;
+    }
   }
 }
 

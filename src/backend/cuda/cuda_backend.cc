@@ -46,6 +46,7 @@ CudaOptions CudaOptions::from_env() {
   o.tc_min = env_int("DSV3_CUDA_TC_MIN", o.tc_min);
   o.fast_min = env_int("DSV3_CUDA_FAST_MIN", o.fast_min);
   o.tc_tm = env_int("DSV3_CUDA_TC_TM", o.tc_tm);
+  o.tc_swap = env_int("DSV3_CUDA_TC_SWAP", o.tc_swap);
   o.wgmma = env_flag("DSV3_CUDA_WGMMA", o.wgmma);
   o.wg_async = env_flag("DSV3_CUDA_WG_ASYNC", o.wg_async);
   o.attn_chunk = env_int("DSV3_CUDA_ATTN_CHUNK", o.attn_chunk);
@@ -78,6 +79,9 @@ void CudaOptions::validate() const {
   if (decode_splits < 0)
     fail("CUDA backend: decode_splits (DSV3_CUDA_DECODE_SPLITS) must be 0 (by the cache length) or more, got ",
          decode_splits);
+  if (tc_swap < 0 || tc_swap > 2)
+    fail("CUDA backend: tc_swap (DSV3_CUDA_TC_SWAP) must be 0 (never), 1 (e4m3 weights or fast mode) or 2 (always), "
+         "got ", tc_swap);
   if (tc_tm != 0 && tc_tm != 64 && tc_tm != 128)
     fail("CUDA backend: tc_tm (DSV3_CUDA_TC_TM) must be 0 (by the weight type), 64 or 128 rows per tile, got ", tc_tm);
   if (fp8_fma_one < 0 || fp8_fma_one > 2)
@@ -603,7 +607,8 @@ class CudaBackend final : public Backend {
     float* logits = f32(kLogits, size_t(n * E));
     cuda::MoeSched s = sched(n, E, K, T.S);
     const bool tc = use_tc(n) && T.tc;
-    if (tc) s.tile_rows = tile_m(T.wtype);
+    const bool swap = tc && moe_swap(T, n);
+    if (tc) s.tile_rows = swap ? 128 : tile_m(T.wtype);
     cuda::RouteArgs r;
     r.E = E, r.K = K, r.G = a.n_expert_groups, r.topk_groups = a.n_limited_groups;
     r.sigmoid = a.score_func != "softmax", r.norm = a.norm_topk_prob, r.route_scale = a.route_scale;
@@ -633,6 +638,7 @@ class CudaBackend final : public Backend {
       cuda::TcJob j0 = xs.a_hi ? xs : split_input(x, n, D, fast_at(n));
       if (fast_at(n)) j0.a_lo = nullptr;
       set_form(j0, T.k64, T.wtype);  // tile rows as the schedule's (by the weight type)
+      if (swap) j0.tm = 128, j0.swap = true;  // (moe_swap: the wgmma form)
       j0.grouped = true, j0.experts = T.dev, j0.a_idx = s.perm;
       j0.cnt = s.cnt, j0.off = s.off, j0.tile_e = s.tile_e, j0.tile_m0 = s.tile_m0, j0.n_tiles = s.n_tiles;
       cuda::TcJob j1 = j0;
@@ -1078,6 +1084,12 @@ class CudaBackend final : public Backend {
   }
 
   bool use_tc(int64_t n) const { return n >= opt_.tc_min; }
+  // A MoE layer's grouped stages of n tokens with the weights as the MMA's A and each tile's
+  // tokens as its N (CudaOptions::tc_swap), where the wgmma form takes them.
+  bool moe_swap(const MoeTable& T, int64_t n) const {
+    const bool want = opt_.tc_swap == 2 || (opt_.tc_swap == 1 && (T.wtype == cuda::kFP8 || fast_at(n)));
+    return want && wgmma_ && T.k64 && !opt_.wg_async;
+  }
   // Whether two linears of the same n activations run as one pipelined-kernel launch (w's row
   // tiles, then w2's): both taken there with the same K and weight type.
   bool tc_pair_ok(const cuda::DevLinear& w, const cuda::DevLinear& w2, int64_t n) const {

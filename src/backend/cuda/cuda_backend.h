@@ -43,6 +43,12 @@ struct CudaOptions {
                         // 128 for e4m3 weights, 64 for bf16 (DSV3_CUDA_TC_TM). H200 prefill 1024 (tok/s): FP8
                         // 20.0k -> 23.9k float32-grade, 30.7k -> 31.9k fast; bf16 31.6k / 45.7k at 64 against
                         // 27.4k / 44.0k at 128
+  int tc_swap = 1;      // the MoE expert stages at prefill with the weight rows as the wgmma's M and each 128-token
+                        // tile's tokens as its N, rounded up to 32, so an expert's last tile costs only the
+                        // tokens it has: 0 never, 1 for e4m3 weights and for bf16 ones in fast mode (H200
+                        // prefill 1024: FP8 23.9k -> 27.2-27.4k, fast 31.8k -> 34.5k; bf16 fast 43.0-44.9k ->
+                        // 46.0-47.6k; bf16 float32-grade 30.9k -> 29.8-29.9k, so not there), 2 always
+                        // (DSV3_CUDA_TC_SWAP)
   int fast_min = 64;    // fast mode only for steps of at least this many tokens (DSV3_CUDA_FAST_MIN)
   int gemv_max = 8;     // the GEMV kernels up to this many tokens, tensor cores above (DSV3_CUDA_GEMV_MAX)
   int tc_min = 9;       // from this many tokens: the pipelined bf16 GEMM (kernels_tc.cu) for bf16 weights

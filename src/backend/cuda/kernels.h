@@ -201,6 +201,8 @@ struct TcJob {
   bool wgmma = false;     // sm_90a warpgroup MMAs (a warpgroup per 64 tile rows; every K a multiple of 64)
   bool wg_async = false;  // ... keeping one MMA group in flight behind the next stage's loads (tm 64)
   bool fp8 = false;       // e4m3 weights with 128x128 block scales (tc_ok_fp8; wgmma form, no in-flight group)
+  bool swap = false;      // grouped stages, wgmma form, tm 128: weight rows as the MMA's M, the tile's tokens
+                          // as its N (rounded up to 32), so a partly filled tile costs only its tokens
 };
 // Output tiles of a plain job (occupancy: split-K pays below ~2 tiles per SM).
 int64_t tc_out_tiles(int64_t M, int64_t N, bool swiglu, int tm);

@@ -2,14 +2,16 @@
 // remainder, split beforehand) times bf16 weights on tensor cores, float32 accumulation.
 // mma.sync form: 64x128 output tiles, K in steps of 32 through a 4-stage cp.async pipeline,
 // operands read from shared memory with ldmatrix (XOR-swizzled rows, no bank conflicts).
-// wgmma form (sm_90a): the same tiles, K in steps of 64 through 3 stages in the hardware's
-// 128-byte swizzle, m64n128k16 warpgroup MMAs reading both operands from shared memory.
+// wgmma form (sm_90a): the same tiles (or 128x128, a warpgroup per 64 rows), K in steps of 64
+// through 3 stages in the hardware's 128-byte swizzle, m64n128k16 warpgroup MMAs reading both
+// operands from shared memory.
 // One launch covers a plain product or every active expert of a MoE stage (the router's
-// 64-row tile table picks each block's expert and rows).
+// tile table picks each block's expert and rows; with swapped operands its tokens are the MMA's N).
 // FP8 weights (wgmma form only): e4m3 tiles land in a staging buffer, are widened to bf16
 // (exactly) into the swizzled B tile, and each 128-K block's partial product is multiplied by its
 // 128x128 block scale on the way into the float32 accumulator.
 #include <algorithm>
+#include <type_traits>
 
 #include "backend/cuda/common.cuh"
 #include "backend/cuda/mma.cuh"
@@ -90,6 +92,41 @@ __device__ __forceinline__ void wgmma_64x128x16(float (&d)[64], uint64_t da, uin
 #endif
 }
 
+__device__ __forceinline__ void wgmma_64x32x16(float (&d)[16], uint64_t da, uint64_t db, bool acc) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900 && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %18, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 {%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15}, %16, %17, p, 1, 1, 0, 0;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
+      : "l"(da), "l"(db), "r"(acc ? 1 : 0));
+#endif
+}
+__device__ __forceinline__ void wgmma_64x64x16(float (&d)[32], uint64_t da, uint64_t db, bool acc) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900 && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31}, %32, %33, p, 1, 1, 0, 0;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+      : "l"(da), "l"(db), "r"(acc ? 1 : 0));
+#endif
+}
+__device__ __forceinline__ void wgmma_64x96x16(float (&d)[48], uint64_t da, uint64_t db, bool acc) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900 && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %50, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n96k16.f32.bf16.bf16 {%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31,%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47}, %48, %49, p, 1, 1, 0, 0;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47])
+      : "l"(da), "l"(db), "r"(acc ? 1 : 0));
+#endif
+}
+// D[64xN] (+)= A[64x16] * B[Nx16]^T for the N the tile needs (SW: its tokens rounded up to 32).
+template <int N>
+__device__ __forceinline__ void wgmma_64xN(float (&d)[N / 2], uint64_t da, uint64_t db, bool acc) {
+  if constexpr (N == 32) wgmma_64x32x16(d, da, db, acc);
+  else if constexpr (N == 64) wgmma_64x64x16(d, da, db, acc);
+  else if constexpr (N == 96) wgmma_64x96x16(d, da, db, acc);
+  else wgmma_64x128x16(d, da, db, acc);
+}
 
 // e4m3 -> bf16 of 16 bytes (exact: every e4m3 value is a bf16), as two 8-element chunks.
 __device__ __forceinline__ void e4m3x16_to_bf16(uint4 v, uint4& lo8, uint4& hi8) {
@@ -106,7 +143,10 @@ __device__ __forceinline__ void e4m3x16_to_bf16(uint4 v, uint4& lo8, uint4& hi8)
   hi8 = make_uint4(o[4], o[5], o[6], o[7]);
 }
 
-template <int TM, int WM, bool WG, bool LO, bool ASYNC, bool F8 = false>
+// SW (wgmma form, 128 rows, grouped MoE stages): the weight tile is the MMA's A (a warpgroup per
+// 64 weight rows) and the tile's tokens its N, rounded up to 32 (m64nNk16), so an expert's last,
+// partly filled tile costs only the columns it has.
+template <int TM, int WM, bool WG, bool LO, bool ASYNC, bool F8 = false, bool SW = false>
 __global__ void __launch_bounds__(TM / WM * 64) tc_gemm_kernel(TcJob j) {
   static_assert(!F8 || (WG && !ASYNC), "FP8 weights: the wgmma form without an in-flight group");
   constexpr int BK = kstep<WG>(), CPR = BK / 8, kS = stages<WG, LO, ASYNC>();
@@ -119,6 +159,7 @@ __global__ void __launch_bounds__(TM / WM * 64) tc_gemm_kernel(TcJob j) {
   constexpr int kFElems = F8 ? TN * BK / 2 : 0;  // the e4m3 staging tile, in bf16-sized units
   static_assert(!WG || kThreads == 2 * TM, "wgmma form: a warpgroup per 64 rows");
   static_assert(!WG || TM == 64 || !ASYNC, "wgmma form with 128 rows: no in-flight group");
+  static_assert(!SW || (WG && TM == 128 && !ASYNC), "swapped operands: the wgmma form with 128 rows");
   extern __shared__ __align__(128) unsigned char smem_raw[];
   unsigned char* smem = WG ? reinterpret_cast<unsigned char*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023))
                            : smem_raw;
@@ -243,72 +284,97 @@ __global__ void __launch_bounds__(TM / WM * 64) tc_gemm_kernel(TcJob j) {
   }
   float* ct = reinterpret_cast<float*>(smem);  // the epilogue's tile [TM][kLdc], over the stages
   if constexpr (WG) {
-    float d[64];
-    // F8: the MMAs write the current 128-K block's partial product to dp, which is scaled into d
-    // at the block's end (kt0 + kt odd) or the split's end.
-    float dp[64];
+    // NT: SW's MMA columns (the tile's tokens rounded up to 32), else 128 (the weight rows). NA
+    // accumulator floats per thread.
+    auto wg_main = [&](auto ntc) {
+      constexpr int NT = decltype(ntc)::value, NA = SW ? NT / 2 : 64;
+      float d[NA];
+      // F8: the MMAs write the current 128-K block's partial product to dp, which is scaled into
+      // d at the block's end (kt0 + kt odd) or the split's end.
+      float dp[NA];
 #pragma unroll
-    for (int i = 0; i < 64; ++i) d[i] = 0.f;
-    if constexpr (F8) {  // each thread widens the chunks it loaded itself: no barrier before
-      cp_async_wait<P - 1>();
-      if (nk > 0) widen_stage(0);
-    }
-    for (int kt = 0; kt < nk; ++kt) {
-      cp_async_wait<P - 1>();
-      fence_proxy_async();
-      __syncthreads();  // stage kt everywhere; the wgmma that read the refilled buffer finished
-      const int nx = kt + P;
-      if (nx < nk) load_stage(nx % kS, kt0 + nx);
-      cp_async_commit();
-      const int st = kt % kS, arow = (warp >> 2) * 64 * BK;  // this warpgroup's 64 A rows
-      const uint64_t dh = wg_desc(smem_addr(sA(st, 0) + arow)), dl = wg_desc(smem_addr(sA(st, 1) + arow)),
-                     db = wg_desc(smem_addr(sB(st)));
-      float (&acc)[64] = F8 ? dp : d;
-      const bool fresh = F8 && (kt == 0 || ((kt0 + kt) & 1) == 0);  // first K step of a 128-K block
-#pragma unroll
-      for (int i = 0; i < 64; ++i) reg_fence(acc[i]);
-      wg_fence();
-#pragma unroll
-      for (int kk = 0; kk < BK / 16; ++kk) {  // +32 bytes per 16 K values: +2 in the descriptor
-        wgmma_64x128x16(acc, dh + 2 * kk, db + 2 * kk, !(fresh && kk == 0));
-        if (LO) wgmma_64x128x16(acc, dl + 2 * kk, db + 2 * kk);
+      for (int i = 0; i < NA; ++i) d[i] = 0.f;
+      if constexpr (F8) {  // each thread widens the chunks it loaded itself: no barrier before
+        cp_async_wait<P - 1>();
+        if (nk > 0) widen_stage(0);
       }
-      if constexpr (F8) {  // widen the next stage while the tensor cores work on this one
-        wg_commit_wait<1>();  // commit only: the group stays in flight
-        if (kt + 1 < nk) {
-          cp_async_wait<P - 1>();  // stage kt + 1 (this thread's chunks) landed
-          widen_stage((kt + 1) % kS);
+      for (int kt = 0; kt < nk; ++kt) {
+        cp_async_wait<P - 1>();
+        fence_proxy_async();
+        __syncthreads();  // stage kt everywhere; the wgmma that read the refilled buffer finished
+        const int nx = kt + P;
+        if (nx < nk) load_stage(nx % kS, kt0 + nx);
+        cp_async_commit();
+        // this warpgroup's 64 rows: of A (tokens), or with SW of B (weight rows; the MMA's A)
+        const int st = kt % kS, wrow = (warp >> 2) * 64 * BK;
+        const uint64_t dh = wg_desc(smem_addr(sA(st, 0) + (SW ? 0 : wrow))),
+                       dl = wg_desc(smem_addr(sA(st, 1) + (SW ? 0 : wrow))),
+                       db = wg_desc(smem_addr(sB(st) + (SW ? wrow : 0)));
+        float (&acc)[NA] = F8 ? dp : d;
+        const bool fresh = F8 && (kt == 0 || ((kt0 + kt) & 1) == 0);  // first K step of a 128-K block
+#pragma unroll
+        for (int i = 0; i < NA; ++i) reg_fence(acc[i]);
+        wg_fence();
+#pragma unroll
+        for (int kk = 0; kk < BK / 16; ++kk) {  // +32 bytes per 16 K values: +2 in the descriptor
+          if constexpr (SW) {
+            wgmma_64xN<NT>(acc, db + 2 * kk, dh + 2 * kk, !(fresh && kk == 0));
+            if (LO) wgmma_64xN<NT>(acc, db + 2 * kk, dl + 2 * kk, true);
+          } else {
+            wgmma_64x128x16(acc, dh + 2 * kk, db + 2 * kk, !(fresh && kk == 0));
+            if (LO) wgmma_64x128x16(acc, dl + 2 * kk, db + 2 * kk);
+          }
         }
-        wg_wait<0>();
-      } else {
-        wg_commit_wait<ASYNC ? 1 : 0>();
-      }
+        if constexpr (F8) {  // widen the next stage while the tensor cores work on this one
+          wg_commit_wait<1>();  // commit only: the group stays in flight
+          if (kt + 1 < nk) {
+            cp_async_wait<P - 1>();  // stage kt + 1 (this thread's chunks) landed
+            widen_stage((kt + 1) % kS);
+          }
+          wg_wait<0>();
+        } else {
+          wg_commit_wait<ASYNC ? 1 : 0>();
+        }
 #pragma unroll
-      for (int i = 0; i < 64; ++i) reg_fence(acc[i]);
-      if constexpr (F8) {
-        if (((kt0 + kt) & 1) == 1 || kt == nk - 1) {
-          const int64_t kb = (sc_col0 + int64_t(kt0 + kt) * BK) >> 7;
-          const float s0 = sc0[kb], s1 = sc1[kb];
+        for (int i = 0; i < NA; ++i) reg_fence(acc[i]);
+        if constexpr (F8) {
+          if (((kt0 + kt) & 1) == 1 || kt == nk - 1) {
+            const int64_t kb = (sc_col0 + int64_t(kt0 + kt) * BK) >> 7;
+            const float s0 = sc0[kb], s1 = sc1[kb];
+            // weight rows 0-63 of the tile take s0, 64-127 s1: SW by warpgroup, else columns 8 (i / 4) + ...
 #pragma unroll
-          for (int i = 0; i < 64; ++i) d[i] = fmaf(dp[i], i < 32 ? s0 : s1, d[i]);  // columns 8 (i / 4) + ...
+            for (int i = 0; i < NA; ++i) d[i] = fmaf(dp[i], (SW ? warp < 4 : i < 32) ? s0 : s1, d[i]);
+          }
         }
       }
-    }
-    wg_wait<0>();
+      wg_wait<0>();
 #pragma unroll
-    for (int i = 0; i < 64; ++i) reg_fence(d[i]);
-    cp_async_wait<0>();
-    __syncthreads();
-    // accumulator of warp w (warpgroup w / 4 holds rows 64 (w / 4) ..): rows 16w + g (+ 8),
-    // columns 8 jn + 2t (+ 1)
-    const int g = lane >> 2, t = lane & 3;
+      for (int i = 0; i < NA; ++i) reg_fence(d[i]);
+      cp_async_wait<0>();
+      __syncthreads();
+      // accumulator of warp w (warpgroup w / 4 holds MMA rows 64 (w / 4) ..): MMA rows 16w + g
+      // (+ 8), MMA columns 8 jn + 2t (+ 1); with SW the rows are weight rows and the columns
+      // tokens, so they go to ct transposed
+      const int g = lane >> 2, t = lane & 3;
 #pragma unroll
-    for (int jn = 0; jn < 16; ++jn) {
-      const int r = warp * 16 + g, c = jn * 8 + 2 * t;
-      ct[r * kLdc + c] = d[4 * jn];
-      ct[r * kLdc + c + 1] = d[4 * jn + 1];
-      ct[(r + 8) * kLdc + c] = d[4 * jn + 2];
-      ct[(r + 8) * kLdc + c + 1] = d[4 * jn + 3];
+      for (int jn = 0; jn < NA / 4; ++jn) {
+        const int r = warp * 16 + g, c = jn * 8 + 2 * t;
+        auto put = [&](int row, int col, float v) { ct[SW ? col * kLdc + row : row * kLdc + col] = v; };
+        put(r, c, d[4 * jn]);
+        put(r, c + 1, d[4 * jn + 1]);
+        put(r + 8, c, d[4 * jn + 2]);
+        put(r + 8, c + 1, d[4 * jn + 3]);
+      }
+    };
+    if constexpr (SW) {
+      switch ((Mv + 31) / 32) {
+        case 1: wg_main(std::integral_constant<int, 32>{}); break;
+        case 2: wg_main(std::integral_constant<int, 64>{}); break;
+        case 3: wg_main(std::integral_constant<int, 96>{}); break;
+        default: wg_main(std::integral_constant<int, 128>{}); break;
+      }
+    } else {
+      wg_main(std::integral_constant<int, 128>{});
     }
   } else {
     float acc[MI][8][4];
@@ -489,22 +555,34 @@ bool tc_ok_fp8(const DevLinear& w) {
 
 namespace {
 
-template <int TM, int WM, bool WG, bool LO, bool ASYNC, bool F8 = false>
+template <int TM, int WM, bool WG, bool LO, bool ASYNC, bool F8 = false, bool SW = false>
 void tc_launch_lo(const Launch& L, const TcJob& j, int64_t grid_m, int64_t max_n, int batch) {
   static bool attr_set = false;  // per process: one device
   if (!attr_set) {
-    DSV3_CUDA_CHECK(cudaFuncSetAttribute(tc_gemm_kernel<TM, WM, WG, LO, ASYNC, F8>,
+    DSV3_CUDA_CHECK(cudaFuncSetAttribute(tc_gemm_kernel<TM, WM, WG, LO, ASYNC, F8, SW>,
                                          cudaFuncAttributeMaxDynamicSharedMemorySize,
                                          smem_bytes<TM, WG, LO, ASYNC, F8>()));
     attr_set = true;
   }
   const int64_t tn = j.swiglu ? TN / 2 : TN;
-  launch(L, tc_gemm_kernel<TM, WM, WG, LO, ASYNC, F8>,
+  launch(L, tc_gemm_kernel<TM, WM, WG, LO, ASYNC, F8, SW>,
          dim3(unsigned(grid_m), cdiv(max_n, tn), unsigned(j.splits > 1 ? j.splits : batch)), dim3(TM / WM * 64),
          size_t(smem_bytes<TM, WG, LO, ASYNC, F8>()), j);
 }
 template <int TM, int WM, bool WG>
 void tc_launch(const Launch& L, const TcJob& j, int64_t grid_m, int64_t max_n, int batch) {
+  if constexpr (WG && TM == 128) {
+    if (j.swap) {
+      if (j.fp8) {
+        if (j.a_lo) tc_launch_lo<TM, WM, WG, true, false, true, true>(L, j, grid_m, max_n, batch);
+        else tc_launch_lo<TM, WM, WG, false, false, true, true>(L, j, grid_m, max_n, batch);
+      } else {
+        if (j.a_lo) tc_launch_lo<TM, WM, WG, true, false, false, true>(L, j, grid_m, max_n, batch);
+        else tc_launch_lo<TM, WM, WG, false, false, false, true>(L, j, grid_m, max_n, batch);
+      }
+      return;
+    }
+  }
   if constexpr (WG) {
     if (j.fp8) {
       if (j.a_lo) tc_launch_lo<TM, WM, WG, true, false, true>(L, j, grid_m, max_n, batch);
@@ -532,6 +610,8 @@ void tc_gemm(const Launch& L, const TcJob& j, int64_t grid_m, int64_t max_n, int
                    j.w_pair.t == j.w.t && max_n == tc_pair_rows(j),
                "tc_gemm pair: two plain products of the same activations and weight type, max_n tc_pair_rows");
   DSV3_CHECK(!j.fp8 || j.wgmma, "FP8 weights in the pipelined kernel: wgmma form only");
+  DSV3_CHECK(!j.swap || (j.wgmma && j.tm == 128 && j.grouped && !j.wg_async),
+             "swapped operands: grouped MoE stages in the wgmma form with 128-row tiles");
   if (j.wgmma) {
     DSV3_CHECK(j.tm == 64 || (j.tm == 128 && !j.wg_async), "the wgmma form: 64-row tiles, or 128 without wg_async");
     if (j.tm == 128) tc_launch<128, 32, true>(L, j, grid_m, max_n, batch);
