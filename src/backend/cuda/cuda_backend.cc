@@ -621,7 +621,7 @@ class CudaBackend final : public Backend {
       const bool rie = opt_.route_in_experts && gemvs && n == 1 && E <= 256 && !ko("experts");
       if (!ko("gate")) cuda::gate_route(L_, gate, x, n, logits, r, bias, s, counter_, !rie, norm.h ? &norm : nullptr);
       if (rie) s.route_logits = logits, s.route_bias = bias, s.route = r;
-    } else if (tc && use_tc(n) && tc_takes(gate) && gate.cols == D) {
+    } else if (tc && tc_takes(gate) && gate.cols == D) {
       // x split once (hi + lo) for the gate (exact) and the experts' first stage (hi only when fast).
       xs = split_input(x, n, D, /*fast=*/false);
       tc_linear(xs, gate, n, logits, E);

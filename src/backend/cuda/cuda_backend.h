@@ -27,8 +27,8 @@ struct CudaOptions {
                           // single token, else two)
   int decode_splits = 0;  // at most this many position splits per token there (DSV3_CUDA_DECODE_SPLITS; 0: by
                           // the cache length, up to 256 blocks for one token, 512 for more)
-  bool pair_gemv = true; // two GEMVs on the same activations (wq and wkv_a at decode) in one launch
-                         // (DSV3_CUDA_PAIR_GEMV=0: one launch each)
+  bool pair_gemv = true; // two products of the same activations (wq and wkv_a) in one launch: the GEMVs at decode,
+                         // the pipelined kernel at prefill (DSV3_CUDA_PAIR_GEMV=0: one launch each)
   bool qabs_vec = true;  // the decode q absorption with 16-byte weight loads (DSV3_CUDA_QABS_VEC=0: element-wise)
   int tc_gemv_max = 8;  // GEMVs (linears, MoE experts) of up to this many tokens on tensor cores where the
                         // weights fit (kernels_tcgemv.cu; DSV3_CUDA_TC_GEMV_MAX, 0: the FMA kernels only)
