@@ -66,49 +66,42 @@ if [ "${CLI:-0}" = 1 ]; then  # the dsv3 binary with the bench command only (for
     compile "$s" "$B/cli/$(echo "$s" | tr / _).o" g++ $CXXFLAGS
   done
 fi
+# A second or third build for A/B runs (bench_alt, bench_alt2): the kernels with more nvcc flags,
+# or from a source tree of its own, which then also builds the backend's host code (it calls the
+# kernels' entry points) and the benchmark against its headers (CudaOptions may differ); other
+# headers must be the same.  alt_build NAME SRC_TREE NVCC_FLAGS
+alt_build() {
+  local name=$1 tree=$2 flags=$3 asrc=${2:-src}
+  mkdir -p "$B/obj_$name"
+  for s in $asrc/backend/cuda/*.cu; do compile "$s" "$B/obj_$name/$(basename "$s").o" nvcc -I$ROOT/$asrc $NVFLAGS $flags; done
+  if [ -n "$tree" ]; then
+    for s in $asrc/backend/cuda/*.cc; do compile "$s" "$B/obj_$name/$(basename "$s").o" g++ -I$ROOT/$asrc $CXXFLAGS; done
+    compile bench/cuda_bench.cc "$B/bench_$name.o" g++ -I$ROOT/$asrc $CXXFLAGS -Ibench
+  fi
+}
 ALT=${ALT_NVFLAGS:-}${ALT_SRC:-}
-if [ -n "$ALT" ]; then  # a second build of the kernels (bench_alt) for A/B runs
-  mkdir -p "$B/obj_alt"
-  ASRC=${ALT_SRC:-src}
-  for s in $ASRC/backend/cuda/*.cu; do
-    compile "$s" "$B/obj_alt/$(basename "$s").o" nvcc -I$ROOT/$ASRC $NVFLAGS ${ALT_NVFLAGS:-}
-  done
-  if [ -n "${ALT_SRC:-}" ]; then  # the backend's host code too (it calls the kernels' entry points), and
-    # the benchmark against its headers (CudaOptions may differ); other headers must be the same
-    for s in $ASRC/backend/cuda/*.cc; do compile "$s" "$B/obj_alt/$(basename "$s").o" g++ -I$ROOT/$ASRC $CXXFLAGS; done
-    compile bench/cuda_bench.cc "$B/bench_alt.o" g++ -I$ROOT/$ASRC $CXXFLAGS -Ibench
-  fi
-fi
+[ -n "$ALT" ] && alt_build alt "${ALT_SRC:-}" "${ALT_NVFLAGS:-}"
 ALT2=${ALT2_NVFLAGS:-}${ALT2_SRC:-}
-if [ -n "$ALT2" ]; then  # a third build (bench_alt2: ALT2_NVFLAGS / ALT2_SRC), in the same A/B rounds
-  mkdir -p "$B/obj_alt2"
-  ASRC2=${ALT2_SRC:-src}
-  for s in $ASRC2/backend/cuda/*.cu; do
-    compile "$s" "$B/obj_alt2/$(basename "$s").o" nvcc -I$ROOT/$ASRC2 $NVFLAGS ${ALT2_NVFLAGS:-}
-  done
-  if [ -n "${ALT2_SRC:-}" ]; then
-    for s in $ASRC2/backend/cuda/*.cc; do compile "$s" "$B/obj_alt2/$(basename "$s").o" g++ -I$ROOT/$ASRC2 $CXXFLAGS; done
-    compile bench/cuda_bench.cc "$B/bench_alt2.o" g++ -I$ROOT/$ASRC2 $CXXFLAGS -Ibench
-  fi
-fi
+[ -n "$ALT2" ] && alt_build alt2 "${ALT2_SRC:-}" "${ALT2_NVFLAGS:-}"
 wait
 fail=0
 ls "$B"/FAILED_* > /dev/null 2>&1 && fail=1
 cat $B/obj/*.cu.o.log > "$OUT/ptxas.txt" 2>/dev/null
 LIBS="-L/usr/local/cuda/lib64 -lcublas -lcublasLt -lcudart -lpthread"
-# The main build's objects an alternative build links with: all but the kernels, and with a
-# source tree of its own, all but the CUDA backend's host code as well.
-main_objs() { ls $B/obj/*.o | grep -v '\.cu\.o$' | { if [ -n "$1" ]; then grep -v 'src_backend_cuda_'; else cat; fi; }; }
+# Links bench_NAME: the main build's objects but its kernels (with a source tree of its own, but
+# the CUDA backend's host code and the benchmark as well), and NAME's.  alt_link NAME SRC_TREE
+alt_link() {
+  local main=bench.o
+  [ -n "$2" ] && main=bench_$1.o
+  g++ -o "$B/bench_$1" "$B/$main" $(ls $B/obj/*.o | grep -v '\.cu\.o$' | { if [ -n "$2" ]; then grep -v 'src_backend_cuda_'; else cat; fi; }) \
+    $B/obj_$1/*.o $LIBS
+}
 if [ $fail = 0 ]; then
   g++ -o "$B/tests" "$B/test.o" $B/obj/*.o "$B/gtest-all.o" "$B/gtest_main.o" $LIBS || fail=1
   g++ -o "$B/bench" "$B/bench.o" $B/obj/*.o $LIBS || fail=1
   g++ -o "$B/ltbench" "$B/ltbench.o" $B/obj/*.o $LIBS || fail=1
-  if [ -n "$ALT" ]; then
-    g++ -o "$B/bench_alt" "$B/$([ -n "${ALT_SRC:-}" ] && echo bench_alt.o || echo bench.o)" $(main_objs "${ALT_SRC:-}") $B/obj_alt/*.o $LIBS || fail=1
-  fi
-  if [ -n "$ALT2" ]; then
-    g++ -o "$B/bench_alt2" "$B/$([ -n "${ALT2_SRC:-}" ] && echo bench_alt2.o || echo bench.o)" $(main_objs "${ALT2_SRC:-}") $B/obj_alt2/*.o $LIBS || fail=1
-  fi
+  if [ -n "$ALT" ]; then alt_link alt "${ALT_SRC:-}" || fail=1; fi
+  if [ -n "$ALT2" ]; then alt_link alt2 "${ALT2_SRC:-}" || fail=1; fi
   if [ "${CLI:-0}" = 1 ]; then g++ -o "$B/dsv3" $B/cli/*.o $B/obj/*.o $LIBS || fail=1; fi
 fi
 log "build done in $(( $(date +%s) - t0 )) s, fail=$fail"

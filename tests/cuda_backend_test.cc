@@ -226,7 +226,7 @@ TEST(CudaOps, LinearMatchesRef) {
                                       {70, 260, 272}, {130, 129, 128}, {9, 200, 136}, {2, 33, 4096}, {200, 515, 96},
                                       {65, 128, 1024}, {64, 1, 32},   {300, 200, 128}, {257, 640, 64}};
   for (int mode = 0; mode < kModes; ++mode) {
-    const bool fast = mode == 2 || mode == 4 || mode == 8 || mode == 12;
+    const bool fast = mode_opts(mode).fast;
     auto cuda = make_cuda_backend(mode_opts(mode));
     for (DType t : {DType::BF16, DType::F8_E4M3, DType::F32}) {
       for (const LinCase& c : cases) {
@@ -597,7 +597,7 @@ TEST(CudaOps, MlpAndMoeMatchRef) {
   auto ref = make_ref_backend();
   for (int mode = 0; mode < kModes; ++mode) {
     auto cuda = make_cuda_backend(mode_opts(mode));
-    const bool fast = mode == 2 || mode == 4 || mode == 8 || mode == 12;
+    const bool fast = mode_opts(mode).fast;
     for (std::string c : {"v2lite_bf16", "v2_groups_bf16", "v3_fp8"}) {
       TwoWeights W(c, *cuda);
       const int64_t D = W.a.dim;

@@ -24,11 +24,9 @@ __global__ void __launch_bounds__(kRouteWarps * 32) route_kernel(int mode, Route
     route_one_block(ra, logits, bias, s, topk_idx, topk_w);
     return;
   }
-  {
-    const int64_t first = int64_t(blockIdx.x) * nwarps + warp, stride = int64_t(gridDim.x) * nwarps;
-    for (int64_t i = first; i < s.n; i += stride)
-      route_token_warp(ra, logits, bias, s, i, sc_s[warp], ch_s[warp], gs_s[warp], topk_idx, topk_w);
-  }
+  const int64_t first = int64_t(blockIdx.x) * nwarps + warp, stride = int64_t(gridDim.x) * nwarps;
+  for (int64_t i = first; i < s.n; i += stride)
+    route_token_warp(ra, logits, bias, s, i, sc_s[warp], ch_s[warp], gs_s[warp], topk_idx, topk_w);
   if (mode == 1) return;
   __syncthreads();
   group_pairs(s, tiles);

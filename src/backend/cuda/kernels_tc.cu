@@ -504,10 +504,7 @@ __global__ void split_rows8_kernel(const float* __restrict__ x, int64_t rows, in
     const float v[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
     __align__(16) __nv_bfloat16 h[8], l[8];
 #pragma unroll
-    for (int u = 0; u < 8; ++u) {
-      h[u] = __float2bfloat16_rn(v[u]);
-      l[u] = __float2bfloat16_rn(v[u] - __bfloat162float(h[u]));
-    }
+    for (int u = 0; u < 8; ++u) split_bf16(v[u], h, lo ? l : nullptr, u);
     *reinterpret_cast<uint4*>(hi + r * cols + c) = *reinterpret_cast<const uint4*>(h);
     if (lo) *reinterpret_cast<uint4*>(lo + r * cols + c) = *reinterpret_cast<const uint4*>(l);
   }
