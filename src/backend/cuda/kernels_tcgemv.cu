@@ -28,6 +28,15 @@
 #ifndef DSV3_TCV_ABLATE
 #define DSV3_TCV_ABLATE 0
 #endif
+// DSV3_TRACE_BLOCKS=1 with DSV3_TRACE=1 (a measurement aid): every block of the expert GEMVs records
+// when it started, when its expert was known (wait and routing done), when its activations were
+// staged and when it ended, as two trace records (scripts/trace_blocks.py reads them).
+#if !DSV3_TRACE
+#undef DSV3_TRACE_BLOCKS
+#endif
+#ifndef DSV3_TRACE_BLOCKS
+#define DSV3_TRACE_BLOCKS 0
+#endif
 
 namespace dsv3::cuda {
 namespace {
@@ -192,6 +201,25 @@ __device__ __forceinline__ void mma_iter(const uint4* w, const char* bp, int64_t
       acc[q][i] = WT == kFP8 ? fmaf(t[q][i], scale[q] * (i & 1 ? c1 : c0), acc[q][i]) : acc[q][i] + t[q][i];
 }
 
+#if DSV3_TRACE_BLOCKS
+__device__ __forceinline__ unsigned long long& t_staged() {  // the block's staging time (shared memory)
+  __shared__ unsigned long long t;
+  return t;
+}
+// Two trace records for this block: (start, expert known) and (staged, end), marker lines 61000 + 10 stage.
+__device__ __forceinline__ void trace_block(int stage, unsigned long long t0, unsigned long long t1) {
+  TraceBuf* b = g_trace;
+  if (!b) return;
+  const unsigned long long t3 = global_ns();
+  const unsigned long long where = blockIdx.x | (unsigned long long)(blockIdx.y) << 24;
+  unsigned long long slot = atomicAdd(&b->ticket, 2ull);
+  unsigned long long* r = b->rec[slot % kTraceRecs];
+  r[0] = t0, r[1] = t1, r[2] = unsigned(61000 + 10 * stage) | (g_trace_unit << 16), r[3] = where;
+  r = b->rec[(slot + 1) % kTraceRecs];
+  r[0] = t_staged(), r[1] = t3, r[2] = unsigned(61001 + 10 * stage) | (g_trace_unit << 16), r[3] = where;
+}
+#endif
+
 // MODE 0: y = x · a; 1: y = silu(x · a) * (x · b); 2: as 0, then c's tiles to y2. Every warp of
 // the block reaches the same __syncthreads; pdl_wait comes after the first weight loads.
 template <int WT, bool ONE, int MODE>
@@ -257,6 +285,9 @@ __device__ void tcv_run(const TcvJob& J, int64_t tile_base, char* smem) {
   const int nkb = int(K / 128);
   stage_x<WT>(J, K, smem, am);
   __syncthreads();
+#if DSV3_TRACE_BLOCKS
+  if (threadIdx.x == 0) t_staged() = global_ns();
+#endif
   const int64_t S = row_bytes<WT>(K), PS = int64_t(J.m) * S;
   const bool has_tok = ONE ? g == 0 : g < J.m;
   const char* bsrc = smem + int64_t(has_tok ? g : 0) * S + (WT == kFP8 ? 64 : 32) * c4;
@@ -355,7 +386,13 @@ __global__ void __launch_bounds__(kTW * 32, 2) tcv_moe_kernel(int stage, const D
   extern __shared__ __align__(16) char smem[];
   int e;
   int64_t off, cnt;
+#if DSV3_TRACE_BLOCKS
+  const unsigned long long t0 = global_ns();
+#endif
   if (!expert_slot<ONE>(s, stage, blockIdx.y, e, off, cnt)) return;
+#if DSV3_TRACE_BLOCKS
+  const unsigned long long t1 = global_ns();
+#endif
   TcvJob J;
   J.ks = ks;
   J.m = int(cnt);
@@ -371,6 +408,10 @@ __global__ void __launch_bounds__(kTW * 32, 2) tcv_moe_kernel(int stage, const D
     J.x = in + off * ldin;
     tcv_run<WT, ONE, 0>(J, tb, smem);
   }
+#if DSV3_TRACE_BLOCKS
+  __syncthreads();
+  if (threadIdx.x == 0) trace_block(stage, t0, t1);
+#endif
   pdl_trigger();
 }
 
