@@ -149,9 +149,33 @@ __device__ __forceinline__ float block_max(float v, float* red) {
 #ifndef DSV3_TCV_EVICT_FIRST
 #define DSV3_TCV_EVICT_FIRST 1
 #endif
+// The weight streams ask L2 to fetch 256 bytes around each miss (PTX's prefetch-size qualifier;
+// rows are contiguous, so the rest of a row's next bytes are on their way): the tensor-core
+// GEMVs' lanes read 64 bytes of a row per load, a row's 128 bytes an iteration (H200, run29:
+// bf16 b8 1079-1083 -> 1164-1170 tok/s, FP8 b1 594-600 -> 604-610, b8 1549-1556 -> 1576-1586;
+// 128 bytes: 1127, 602-610, 1588-1594). DSV3_TCV_L2PF / DSV3_STREAM_L2PF (the FMA GEMVs' plain
+// stream): 0 (no hint), 64, 128 or 256.
+#ifndef DSV3_TCV_L2PF
+#define DSV3_TCV_L2PF 256
+#endif
+#ifndef DSV3_STREAM_L2PF
+#define DSV3_STREAM_L2PF 0
+#endif
+#define DSV3_STR2(x) #x
+#define DSV3_STR(x) DSV3_STR2(x)
+#if DSV3_STREAM_L2PF
+#define DSV3_STREAM_PF ".L2::" DSV3_STR(DSV3_STREAM_L2PF) "B"
+#else
+#define DSV3_STREAM_PF ""
+#endif
+#if DSV3_TCV_L2PF
+#define DSV3_TCV_PF ".L2::" DSV3_STR(DSV3_TCV_L2PF) "B"
+#else
+#define DSV3_TCV_PF ""
+#endif
 __device__ __forceinline__ uint4 ld_stream_plain(const void* p) {
   uint4 r;
-  asm("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
+  asm("ld.global.nc.L1::no_allocate" DSV3_STREAM_PF ".v4.u32 {%0,%1,%2,%3}, [%4];"
       : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
       : "l"(p));
   return r;
@@ -161,7 +185,7 @@ __device__ __forceinline__ uint4 ld_stream_first(const void* p) {
   uint4 r;
   uint64_t pol;
   asm("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(pol));
-  asm("ld.global.nc.L1::no_allocate.L2::cache_hint.v4.u32 {%0,%1,%2,%3}, [%4], %5;"
+  asm("ld.global.nc.L1::no_allocate.L2::cache_hint" DSV3_TCV_PF ".v4.u32 {%0,%1,%2,%3}, [%4], %5;"
       : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
       : "l"(p), "l"(pol));
   return r;
