@@ -85,8 +85,9 @@ struct CudaOptions {
   // boundary costs in the recorded chain (DSV3_CUDA_PAD_KERNELS).
   int pad_kernels = 0;
   // FP8 weights are always dequantised inside the kernels (no FP8 tensor-core arithmetic: that
-  // would quantise the activations too), which is what DSV3_CUDA_FP8_DEQUANT=1 asks for; the
-  // variable is accepted for that reason.
+  // would quantise the activations too, and even the reference's own gemm_impl="fp8" arithmetic,
+  // done faithfully, misses the golden fp8gemm bar: bench/results/2026-12-03-h200-cuda/run29-fp8-act),
+  // which is what DSV3_CUDA_FP8_DEQUANT=1 asks for; the variable is accepted for that reason.
   static CudaOptions from_env();
   // Throws Error naming the option (and its variable) when a value is out of range.
   void validate() const;
