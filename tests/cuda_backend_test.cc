@@ -1482,10 +1482,6 @@ TEST_P(CudaGolden, EveryStepMatchesFp32Logits) {
     }
   }
   ASSERT_FALSE(errs.empty());
-  auto max_median = [](std::vector<double> v) {
-    std::sort(v.begin(), v.end());
-    return std::pair{v.back(), v[v.size() / 2]};
-  };
   const auto [mx, med] = max_median(errs);
   const auto [smx, smed] = max_median(step_errs);
   std::printf("%s: %zu rows, max %.3g, median %.3g; %zu steps, max %.3g, median %.3g; argmax %d/%d\n",

@@ -1,7 +1,9 @@
 // Helpers for comparing against ../shared/golden copies in tests/data/golden.
 #pragma once
+#include <algorithm>
 #include <cmath>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include <gtest/gtest.h>
@@ -33,6 +35,12 @@ inline double rel_l2(const float* got, const float* want, size_t n) {
     den += double(want[i]) * double(want[i]);
   }
   return std::sqrt(num / (den > 0 ? den : 1));
+}
+
+// The largest and the median of errors (not empty), as golden/README.md's table gives them.
+inline std::pair<double, double> max_median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return {v.back(), v[v.size() / 2]};
 }
 
 inline int argmax(const float* v, int n) {

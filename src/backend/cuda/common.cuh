@@ -153,14 +153,20 @@ __device__ __forceinline__ float block_max(float v, float* red) {
 // rows are contiguous, so the rest of a row's next bytes are on their way): the tensor-core
 // GEMVs' lanes read 64 bytes of a row per load, a row's 128 bytes an iteration (H200, run29:
 // bf16 b8 1079-1083 -> 1164-1170 tok/s, FP8 b1 594-600 -> 604-610, b8 1549-1556 -> 1576-1586;
-// 128 bytes: 1127, 602-610, 1588-1594). DSV3_TCV_L2PF / DSV3_STREAM_L2PF (the FMA GEMVs' plain
-// stream): 0 (no hint), 64, 128 or 256.
+// 128 bytes: 1127, 602-610, 1588-1594); so does cp.async (H200 prefill 1024: FP8 27.3k -> 27.7k
+// tok/s, fast 34.5k -> 35.5-35.6k, bf16 unchanged). DSV3_TCV_L2PF / DSV3_CPASYNC_L2PF /
+// DSV3_STREAM_L2PF (the FMA GEMVs' plain stream, measured no faster with it): 0 (no hint), 64,
+// 128 or 256.
 #ifndef DSV3_TCV_L2PF
 #define DSV3_TCV_L2PF 256
 #endif
 #ifndef DSV3_STREAM_L2PF
 #define DSV3_STREAM_L2PF 0
 #endif
+#ifndef DSV3_CPASYNC_L2PF  // cp_async16 (mma.cuh): prefill's pipelined GEMM and attention
+#define DSV3_CPASYNC_L2PF 256
+#endif
+// Each as PTX text: ".L2::<N>B", or nothing for 0.
 #define DSV3_STR2(x) #x
 #define DSV3_STR(x) DSV3_STR2(x)
 #if DSV3_STREAM_L2PF
@@ -172,6 +178,11 @@ __device__ __forceinline__ float block_max(float v, float* red) {
 #define DSV3_TCV_PF ".L2::" DSV3_STR(DSV3_TCV_L2PF) "B"
 #else
 #define DSV3_TCV_PF ""
+#endif
+#if DSV3_CPASYNC_L2PF
+#define DSV3_CPASYNC_PF ".L2::" DSV3_STR(DSV3_CPASYNC_L2PF) "B"
+#else
+#define DSV3_CPASYNC_PF ""
 #endif
 __device__ __forceinline__ uint4 ld_stream_plain(const void* p) {
   uint4 r;

@@ -3,27 +3,19 @@
 #pragma once
 #include <cstdint>
 
+#include "backend/cuda/common.cuh"
+
 namespace dsv3::cuda {
 namespace {
 
 __device__ __forceinline__ uint32_t smem_addr(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
 }
-// 16 bytes global -> shared; zero-filled when !valid (src is then not read). L2 fetches 256 bytes
-// around each miss (the prefetch-size qualifier; H200 prefill 1024, run29: FP8 27.3k -> 27.7k tok/s,
-// fast 34.5k -> 35.5-35.6k, bf16 unchanged). DSV3_CPASYNC_L2PF: 0 (no hint), 64, 128 or 256.
-#ifndef DSV3_CPASYNC_L2PF
-#define DSV3_CPASYNC_L2PF 256
-#endif
-#define DSV3_MMA_STR2(x) #x
-#define DSV3_MMA_STR(x) DSV3_MMA_STR2(x)
+// 16 bytes global -> shared; zero-filled when !valid (src is then not read). L2 fetches
+// DSV3_CPASYNC_L2PF bytes around each miss (common.cuh).
 __device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, bool valid) {
-#if DSV3_CPASYNC_L2PF
-  asm volatile("cp.async.cg.shared.global.L2::" DSV3_MMA_STR(DSV3_CPASYNC_L2PF) "B [%0], [%1], 16, %2;\n" ::"r"(dst),
-               "l"(src), "r"(valid ? 16 : 0));
-#else
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(valid ? 16 : 0));
-#endif
+  asm volatile("cp.async.cg.shared.global" DSV3_CPASYNC_PF " [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src),
+               "r"(valid ? 16 : 0));
 }
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 template <int N>  // wait until at most N committed groups are pending
