@@ -28,6 +28,11 @@
 #ifndef DSV3_TCV_ABLATE
 #define DSV3_TCV_ABLATE 0
 #endif
+// DSV3_TCV_COLS=1: one token's activation parts go in separate columns of the MMAs' B (half or a
+// third of the MMAs, shorter dependent chains); 0: each part its own MMA into the token's column.
+#ifndef DSV3_TCV_COLS
+#define DSV3_TCV_COLS 1
+#endif
 // DSV3_TRACE_BLOCKS=1 with DSV3_TRACE=1 (a measurement aid): every block of the expert GEMVs records
 // when it started, when its expert was known (wait and routing done), when its activations were
 // staged and when it ended, as two trace records (scripts/trace_blocks.py reads them).
@@ -154,11 +159,12 @@ __device__ __forceinline__ uint32_t word(const uint4& v, int i) { return i == 0 
 // One iteration's MMAs of NM weights on the same activations: w[4 q .. 4 q + 1] = 32 bytes of
 // row g of weight q, w[4 q + 2 .. 4 q + 3] of row g + 8; bp = the lane's B bytes of this
 // iteration in part 0 (parts PS apart, units swizzled by sw), zeros without a token. The B units
-// are read one at a time (the registers go to the weights in flight).
-template <int WT, int NM>
+// are read one at a time (the registers go to the weights in flight). COLS: one token whose
+// parts are B's columns (lane g reads part g at bp), so one MMA per step takes them all.
+template <int WT, int NM, bool COLS>
 __device__ __forceinline__ void mma_iter(const uint4* w, const char* bp, int64_t PS, int sw, bool has_tok,
                                          float (&acc)[NM][4], const float (&scale)[NM], float c0, float c1) {
-  constexpr int PARTS = Tcv<WT>::PARTS, NU = WT == kFP8 ? 4 : 2;
+  constexpr int PARTS = COLS ? 1 : Tcv<WT>::PARTS, NU = WT == kFP8 ? 4 : 2;
   // A fresh partial per iteration, added to acc in float32: the tensor cores' accumulation
   // truncates, so a long K accumulated in the MMAs drifts (measured: 3e-6 relative over 3072).
   float t[NM][4];
@@ -289,7 +295,10 @@ __device__ void tcv_run(const TcvJob& J, int64_t tile_base, char* smem) {
   if (threadIdx.x == 0) t_staged() = global_ns();
 #endif
   const int64_t S = row_bytes<WT>(K), PS = int64_t(J.m) * S;
-  const bool has_tok = ONE ? g == 0 : g < J.m;
+  // One token (COLS): B column p holds its part p (part p of token 0 is where token p's row
+  // would be, PS = S), so a step's one MMA covers every part; the columns are summed at the end.
+  constexpr bool COLS = ONE && DSV3_TCV_COLS;
+  const bool has_tok = COLS ? g < T::PARTS : ONE ? g == 0 : g < J.m;
   const char* bsrc = smem + int64_t(has_tok ? g : 0) * S + (WT == kFP8 ? 64 : 32) * c4;
   const int sw = WT == kFP8 ? (c4 >> 1) & 1 : 0;  // act_off's unit swizzle
   // Scales of this tile's 128-row block (e4m3): one per iteration.
@@ -318,7 +327,7 @@ __device__ void tcv_run(const TcvJob& J, int64_t tile_base, char* smem) {
         for (int u = 0; u < NL; ++u) xx ^= buf[s][u].x ^ buf[s][u].y ^ buf[s][u].z ^ buf[s][u].w;
         acc[0][0] += __uint_as_float(xx & 0x3fffffffu);
 #else
-        mma_iter<WT, NM>(buf[s], bsrc + int64_t(it) * (WT == kFP8 ? 256 : 128), PS, sw, has_tok, acc, sc, c0, c1);
+        mma_iter<WT, NM, COLS>(buf[s], bsrc + int64_t(it) * (WT == kFP8 ? 256 : 128), PS, sw, has_tok, acc, sc, c0, c1);
 #endif
         if (it + NB < i1) load(it + NB, buf[s]);
       }
@@ -346,6 +355,16 @@ __device__ void tcv_run(const TcvJob& J, int64_t tile_base, char* smem) {
     }
   }
   if (slice != 0 || !live) return;
+  if constexpr (COLS) {  // token 0 = the sum of its parts' columns: 0 and 1 here, 2 in lane c4 = 1
+#pragma unroll
+    for (int q = 0; q < NM; ++q)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const float third = __shfl_down_sync(0xffffffffu, acc[q][2 * h], 1);
+        acc[q][2 * h] += acc[q][2 * h + 1];
+        if constexpr (T::PARTS == 3) acc[q][2 * h] += third;
+      }
+  }
   float* Y = second ? J.y2 : J.y;
   const int64_t ldy = second ? J.ldy2 : J.ldy;
 #pragma unroll
