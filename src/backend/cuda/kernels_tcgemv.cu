@@ -5,8 +5,9 @@
 // each block first splits them once: into three bf16 parts (hi + mid + lo: 24 bits) for bf16
 // weights, into two f16 parts of the activations times a power of two per token and 128-column
 // block for e4m3 weights (folded back into that block's partial product, like its weight
-// scale). float32 accumulation throughout: float32-grade products with ~16x fewer instructions
-// per weight byte than the FMA GEMVs (kernels_gemv.cu), whose place this takes where it fits.
+// scale); one token's parts take a column each instead (DSV3_TCV_COLS). float32 accumulation
+// throughout: float32-grade products with ~16x fewer instructions per weight byte than the FMA
+// GEMVs (kernels_gemv.cu), whose place this takes where it fits.
 //
 // Fragment layout (m16n8k16): lane l = 4 g + c holds rows g and g + 8 of A and token column g of
 // B. An iteration covers 128 bytes of each row; lane c loads two 16-byte pieces of its two rows
