@@ -11,6 +11,8 @@
 # ALT_NVFLAGS (build the kernels a second time with these nvcc flags as bench_alt and run BENCH_ARGS on
 # both, alternating ALT_ROUNDS times with ALT_ARGS if given), ALT_SRC (... or from the CUDA backend (.cu and .cc) of this copy of src/, e.g.
 # an untracked alt/src carried along), ALT2_NVFLAGS / ALT2_SRC (a third build, bench_alt2, in the same rounds), LT_ARGS (run dsv3_cublaslt_bench with them), CLI=1 (also build `dsv3` with the bench command) and CLI_ARGS (run it, e.g. "bench --device cuda ...").
+# NCU=<kernel regex> (Nsight Compute; NCU_ARGS, NCU_SKIP, NCU_COUNT, NCU_EXTRA, NCU_STALLS=1), PACK=0 (do not
+# pack $OUT into all.tgz when it holds more than 8 files).
 set -u
 cd "$(dirname "$0")/.."
 ROOT=$PWD
@@ -151,13 +153,20 @@ if [ "${SANITIZE:-0}" = 1 ]; then
   log "memcheck rc=$?"
   tail -25 "$OUT/memcheck.log" | tee -a "$OUT/summary.txt"
 fi
-if [ -n "${NCU:-}" ]; then  # e.g. NCU="moe_gemv|gemv_kernel" : one decode-step instance of each (bench args: NCU_ARGS; more ncu flags: NCU_EXTRA)
+if [ -n "${NCU:-}" ]; then  # e.g. NCU="moe_gemv|gemv_kernel" : one decode-step instance of each (bench args: NCU_ARGS; more ncu flags: NCU_EXTRA; NCU_STALLS=1: cycles per instruction by stall reason)
   log "ncu $NCU"
+  [ "${NCU_STALLS:-0}" = 1 ] && NCU_EXTRA="${NCU_EXTRA:-} --metrics regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio"
   timeout ${NCU_TIMEOUT:-200} ncu --clock-control none --kernel-name "regex:${NCU}" --launch-skip ${NCU_SKIP:-300} \
     --launch-count ${NCU_COUNT:-6} --section SpeedOfLight --section Occupancy --section LaunchStats \
     --section WarpStateStats --section MemoryWorkloadAnalysis ${NCU_EXTRA:-} \
     "$B/bench" ${NCU_ARGS:---dtypes bf16 --quick --steps 8} > "$OUT/ncu.txt" 2>&1
   log "ncu rc=$?"
   grep -E "^  [a-z_].*\(|Duration|DRAM Throughput|Memory Throughput|Compute \(SM\)|Achieved Occupancy|Theoretical Occupancy|Registers Per|Block Limit|Stall|L2 Hit|Mem Busy|Max Bandwidth" "$OUT/ncu.txt" | head -150 | tee -a "$OUT/summary.txt"
+  grep -E "issue_stalled" "$OUT/ncu.txt" | awk '$NF + 0 >= 0.05' | tee -a "$OUT/summary.txt"
 fi
 log "end"
+# The device tool brings back only a few files from $OUT: past 8 of them, everything goes into one
+# all.tgz (PACK=0 keeps them as they are).
+if [ "${PACK:-1}" = 1 ] && [ "$(find "$OUT" -maxdepth 1 -type f | wc -l)" -gt 8 ]; then
+  (cd "$OUT" && tar czf all.tgz --exclude=all.tgz -- * && find . -maxdepth 1 -type f ! -name all.tgz -delete)
+fi
