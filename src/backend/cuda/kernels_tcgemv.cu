@@ -361,9 +361,9 @@ __device__ void tcv_run(const TcvJob& J, int64_t tile_base, char* smem) {
     for (int q = 0; q < NM; ++q)
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
-        const float third = __shfl_down_sync(0xffffffffu, acc[q][2 * h], 1);
-        acc[q][2 * h] += acc[q][2 * h + 1];
-        if constexpr (T::PARTS == 3) acc[q][2 * h] += third;
+        float sum = acc[q][2 * h] + acc[q][2 * h + 1];
+        if constexpr (T::PARTS == 3) sum += __shfl_down_sync(0xffffffffu, acc[q][2 * h], 1);
+        acc[q][2 * h] = sum;
       }
   }
   float* Y = second ? J.y2 : J.y;
