@@ -29,6 +29,13 @@
 #ifndef DSV3_TCV_ABLATE
 #define DSV3_TCV_ABLATE 0
 #endif
+// DSV3_TCV_ORDER (a measurement aid, never for results): read each full 16-row tile's bytes as if it
+// were stored 1 = [iteration][row][128 B], 2 = [iteration][load][lane][16 B] (each warp load 512
+// contiguous bytes), with the arithmetic kept: the time of that layout, wrong numbers
+// (bench/results/2026-12-03-h200-cuda/run31-*, run 1).
+#ifndef DSV3_TCV_ORDER
+#define DSV3_TCV_ORDER (DSV3_TCV_ABLATE == 3 ? 1 : 0)
+#endif
 // DSV3_TCV_COLS=1: one token's activation parts go in separate columns of the MMAs' B (half or a
 // third of the MMAs, shorter dependent chains); 0: each part its own MMA into the token's column.
 #ifndef DSV3_TCV_COLS
@@ -261,24 +268,26 @@ __device__ void tcv_run(const TcvJob& J, int64_t tile_base, char* smem) {
     qb = static_cast<const char*>(J.b.w) + ((J.b.row0 + rb) * J.b.ld + J.b.col0) * EB + 16 * c4;
   }
   int64_t ostep = 128;  // bytes from one iteration to the next
-#if DSV3_TCV_ABLATE == 3  // measurement only (wrong numbers): the loads alone, as from tiles stored [iteration][row][128 B]
+  int64_t half = 64;    // from a lane's first piece of a row to its second
+#if DSV3_TCV_ORDER
   if (r0 + 16 <= rows && col0 == 0 && ld == K && (!FUSED || (J.b.col0 == 0 && J.b.ld == K))) {
     const char* ta = static_cast<const char*>(W) + (row0 + r0) * ld * EB;
-    pa = ta + g * 128 + 16 * c4, pb = pa + 8 * 128;
-    if constexpr (FUSED) {
-      const char* tb = static_cast<const char*>(J.b.w) + (J.b.row0 + r0) * J.b.ld * EB;
-      qa = tb + g * 128 + 16 * c4, qb = qa + 8 * 128;
+    const char* tb = FUSED ? static_cast<const char*>(J.b.w) + (J.b.row0 + r0) * J.b.ld * EB : ta;
+    if (DSV3_TCV_ORDER == 1) {
+      pa = ta + g * 128 + 16 * c4, pb = pa + 8 * 128, qa = tb + g * 128 + 16 * c4, qb = qa + 8 * 128;
+    } else {
+      pa = ta + 16 * lane, pb = pa + 1024, qa = tb + 16 * lane, qb = qa + 1024, half = 512;
     }
     ostep = 16 * 128;
   }
 #endif
   auto load = [&](int i, uint4* r) {  // act_off's two loads per row
     const int64_t o = int64_t(i) * ostep;
-    r[0] = ld_stream_tcv(pa + o), r[1] = ld_stream_tcv(pa + o + 64);
-    r[2] = ld_stream_tcv(pb + o), r[3] = ld_stream_tcv(pb + o + 64);
+    r[0] = ld_stream_tcv(pa + o), r[1] = ld_stream_tcv(pa + o + half);
+    r[2] = ld_stream_tcv(pb + o), r[3] = ld_stream_tcv(pb + o + half);
     if constexpr (FUSED) {
-      r[4] = ld_stream_tcv(qa + o), r[5] = ld_stream_tcv(qa + o + 64);
-      r[6] = ld_stream_tcv(qb + o), r[7] = ld_stream_tcv(qb + o + 64);
+      r[4] = ld_stream_tcv(qa + o), r[5] = ld_stream_tcv(qa + o + half);
+      r[6] = ld_stream_tcv(qb + o), r[7] = ld_stream_tcv(qb + o + half);
     }
   };
   uint4 buf[NB][NL];
