@@ -5,8 +5,11 @@
 // 64 bytes, four lanes per row; a 3-deep register ring of 128-byte-per-row iterations), and
 // "tiles256" = the same with 256 bytes per row per iteration (two deep). Prints GB/s and the
 // fraction of the copy bandwidth. Not a test: a measurement for kernels_tcgemv.cu's design.
+// --burst-mb M: instead, N = --bursts kernels one after another, each over its own M MB (as a
+// decode step's expert stages: one layer's weights per kernel, none of it in L2), recorded as one
+// CUDA graph; prints the time per kernel and its bandwidth for each pattern.
 //
-//   dsv3_cuda_load_pattern_bench [--mb 1024] [--row-bytes 4096] [--reps 20]
+//   dsv3_cuda_load_pattern_bench [--mb 1024] [--row-bytes 4096] [--reps 20] [--burst-mb M --bursts 26]
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -96,15 +99,15 @@ __global__ void __launch_bounds__(256, 2) tiles_kernel(const char* w, int64_t ro
 }
 
 template <typename F>
-double time_ms(F f, int reps) {
+double time_ms(F f, int reps, cudaStream_t st = nullptr) {
   cudaEvent_t e0, e1;
   CK(cudaEventCreate(&e0));
   CK(cudaEventCreate(&e1));
   std::vector<float> t;
   for (int r = 0; r < reps + 2; ++r) {
-    CK(cudaEventRecord(e0));
+    CK(cudaEventRecord(e0, st));
     f();
-    CK(cudaEventRecord(e1));
+    CK(cudaEventRecord(e1, st));
     CK(cudaEventSynchronize(e1));
     float ms = 0;
     CK(cudaEventElapsedTime(&ms, e0, e1));
@@ -118,24 +121,65 @@ double time_ms(F f, int reps) {
 
 }  // namespace
 
+// N kernels of each pattern over N regions of M MB each, as one graph: microseconds per kernel.
+int bursts(int64_t burst_mb, int n, int64_t rb, int reps, int sms) {
+  const int64_t rows = (burst_mb << 20) / rb / 16 * 16, bytes = rows * rb;
+  char* w = nullptr;
+  unsigned* out = nullptr;
+  CK(cudaMalloc(&w, size_t(bytes * n)));
+  CK(cudaMalloc(&out, sizeof(unsigned)));
+  CK(cudaMemset(w, 0x5a, size_t(bytes * n)));
+  cudaStream_t st;
+  CK(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
+  const dim3 grid(unsigned(2 * sms)), block(256);
+  std::printf("%d kernels of %lld rows x %lld bytes (%.1f MB each), one graph\n", n, (long long)rows, (long long)rb,
+              double(bytes) / 1e6);
+  for (int pat = 0; pat < 3; ++pat) {
+    cudaGraph_t g;
+    cudaGraphExec_t ge;
+    CK(cudaStreamBeginCapture(st, cudaStreamCaptureModeThreadLocal));
+    for (int i = 0; i < n; ++i) {
+      const char* wi = w + int64_t(i) * bytes;
+      if (pat == 0) rows_kernel<<<grid, block, 0, st>>>(wi, rows, rb, out);
+      else if (pat == 1) tiles_kernel<128, 3><<<grid, block, 0, st>>>(wi, rows, rb, out);
+      else tiles_kernel<256, 2><<<grid, block, 0, st>>>(wi, rows, rb, out);
+    }
+    CK(cudaStreamEndCapture(st, &g));
+    CK(cudaGraphInstantiate(&ge, g, 0));
+    const double us = 1e3 * time_ms([&] { CK(cudaGraphLaunch(ge, st)); }, reps, st) / n;
+    const char* names[] = {"rows", "tiles (128 B/row/iter, ring 3)", "tiles256 (ring 2)"};
+    std::printf("%-34s %8.2f us per kernel  %6.0f GB/s\n", names[pat], us, double(bytes) / (us * 1e3));
+    CK(cudaGraphExecDestroy(ge));
+    CK(cudaGraphDestroy(g));
+  }
+  CK(cudaStreamDestroy(st));
+  CK(cudaFree(w));
+  CK(cudaFree(out));
+  return 0;
+}
+
 int main(int argc, char** argv) {
-  int64_t mb = 1024, rb = 4096;
-  int reps = 20;
+  int64_t mb = 1024, rb = 4096, burst_mb = 0;
+  int reps = 20, nb = 26;
   for (int i = 1; i + 1 < argc; i += 2) {
     if (!std::strcmp(argv[i], "--mb")) mb = std::atoll(argv[i + 1]);
     else if (!std::strcmp(argv[i], "--row-bytes")) rb = std::atoll(argv[i + 1]);
     else if (!std::strcmp(argv[i], "--reps")) reps = std::atoi(argv[i + 1]);
+    else if (!std::strcmp(argv[i], "--burst-mb")) burst_mb = std::atoll(argv[i + 1]);
+    else if (!std::strcmp(argv[i], "--bursts")) nb = std::atoi(argv[i + 1]);
     else {
-      std::fprintf(stderr, "usage: dsv3_cuda_load_pattern_bench [--mb N] [--row-bytes B] [--reps N]\n");
+      std::fprintf(stderr,
+                   "usage: dsv3_cuda_load_pattern_bench [--mb N] [--row-bytes B] [--reps N] [--burst-mb M --bursts N]\n");
       return 2;
     }
   }
-  if (rb % 256 != 0 || mb <= 0) {
-    std::fprintf(stderr, "--row-bytes must be a multiple of 256, --mb positive\n");
+  if (rb % 256 != 0 || mb <= 0 || burst_mb < 0 || nb < 1) {
+    std::fprintf(stderr, "--row-bytes must be a multiple of 256, --mb positive, --bursts at least 1\n");
     return 2;
   }
   int sms = 0;
   CK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
+  if (burst_mb > 0) return bursts(burst_mb, nb, rb, reps, sms);
   const int64_t bytes = mb << 20, rows = bytes / rb / 16 * 16;
   char* w = nullptr;
   char* dst = nullptr;

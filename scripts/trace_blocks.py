@@ -8,7 +8,8 @@ slot (shared slices first). The wait end W of each launch comes from its block (
 record (the kernel's PDL wait, same grid). Printed per stage, medians over the launches of the
 last section, in microseconds from W: when the blocks started, when routed blocks knew their
 expert, when blocks had staged their activations, and when they ended (the last end is the
-stage's completion).
+stage's completion). By SM (the records' z field): the median end of blocks whose SM held one,
+two or three of the launch's blocks, and how many SMs did (sms_0 is not printed: 132 less the rest).
 
   scripts/trace_blocks.py trace.txt [--shared N]   (N shared slices, default 2)
 """
@@ -39,7 +40,7 @@ def main():
             b = by_ticket.get(r[0] + 1)
             if not b or b[4] != line + 1:
                 continue
-            blocks[(line - 61000) // 10].append((r[6], r[1], r[2], b[1], b[2]))
+            blocks[(line - 61000) // 10].append((r[6], r[1], r[2], b[1], b[2], r[7]))
     # The kernels' own wait records (block 0): grid 22x8-like, line not a marker, z = 1.
     waits = [(r[2], r[5], r[6]) for r in recs if r[4] < 60000 and r[7] == 1 and r[5] > 0]
     print(f"== {sec['label']}")
@@ -55,7 +56,8 @@ def main():
             cur.append(b)
         launches.append(cur)
         rows = {k: [] for k in ("start", "known_routed", "staged_shared", "staged_routed", "end_min", "end_med",
-                                "end_p90", "end_max", "blocks")}
+                                "end_p90", "end_max", "end_med_sm1", "end_med_sm2", "end_med_sm3", "sms_1",
+                                "sms_2", "sms_3", "blocks")}
         for L in launches:
             first = min(b[1] for b in L)
             ny = max(b[0] for b in L) + 1
@@ -78,11 +80,21 @@ def main():
             rows["end_p90"].append(pct(ends, 0.9))
             rows["end_max"].append(max(ends))
             rows["blocks"].append(len(L))
+            # By how many of the launch's blocks shared the block's SM (the z field: %smid).
+            per_sm = {}
+            for b in L:
+                per_sm[b[5]] = per_sm.get(b[5], 0) + 1
+            for k in (1, 2, 3):
+                e = [us(b[4]) for b in L if per_sm[b[5]] == k]
+                if e:
+                    rows[f"end_med_sm{k}"].append(statistics.median(e))
+                rows[f"sms_{k}"].append(sum(1 for v in per_sm.values() if v == k))
         print(f"stage {stage}: {len(rows['blocks'])} launches, {statistics.median(rows['blocks']):.0f} blocks each; "
               "medians over launches, us from the wait end")
         for k, v in rows.items():
             if v and k != "blocks":
                 print(f"  {k:14s} {statistics.median(v):8.2f}")
+        print("  (end_med_smK: blocks on an SM that held K of the launch's blocks; sms_K: such SMs)")
 
 
 if __name__ == "__main__":

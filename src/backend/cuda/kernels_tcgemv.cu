@@ -220,12 +220,16 @@ __device__ __forceinline__ unsigned long long& t_staged() {  // the block's stag
   __shared__ unsigned long long t;
   return t;
 }
-// Two trace records for this block: (start, expert known) and (staged, end), marker lines 61000 + 10 stage.
+// Two trace records for this block: (start, expert known) and (staged, end), marker lines 61000 + 10 stage;
+// the records' z field is the SM the block ran on.
 __device__ __forceinline__ void trace_block(int stage, unsigned long long t0, unsigned long long t1) {
   TraceBuf* b = g_trace;
   if (!b) return;
   const unsigned long long t3 = global_ns();
-  const unsigned long long where = blockIdx.x | (unsigned long long)(blockIdx.y) << 24;
+  unsigned smid;
+  asm volatile("mov.u32 %0, %%smid;" : "=r"(smid));
+  const unsigned long long where =
+      blockIdx.x | (unsigned long long)(blockIdx.y) << 24 | (unsigned long long)(smid) << 48;  // (z: the SM)
   unsigned long long slot = atomicAdd(&b->ticket, 2ull);
   unsigned long long* r = b->rec[slot % kTraceRecs];
   r[0] = t0, r[1] = t1, r[2] = unsigned(61000 + 10 * stage) | (g_trace_unit << 16), r[3] = where;
