@@ -119,6 +119,27 @@ double time_ms(F f, int reps, cudaStream_t st = nullptr) {
   return t[t.size() / 2];
 }
 
+// The three load patterns, by name, each launched on 2 blocks of 8 warps per SM.
+using PatternLaunch = void (*)(dim3, const char*, int64_t, int64_t, unsigned*, cudaStream_t);
+struct Pattern {
+  const char* name;
+  PatternLaunch launch;
+};
+const Pattern kPatterns[] = {
+    {"rows (FMA GEMV pattern)",
+     [](dim3 g, const char* w, int64_t rows, int64_t rb, unsigned* out, cudaStream_t st) {
+       rows_kernel<<<g, 256, 0, st>>>(w, rows, rb, out);
+     }},
+    {"tiles (tensor-core GEMV, 128 B/row/iter, ring 3)",
+     [](dim3 g, const char* w, int64_t rows, int64_t rb, unsigned* out, cudaStream_t st) {
+       tiles_kernel<128, 3><<<g, 256, 0, st>>>(w, rows, rb, out);
+     }},
+    {"tiles256 (256 B/row/iter, ring 2)",
+     [](dim3 g, const char* w, int64_t rows, int64_t rb, unsigned* out, cudaStream_t st) {
+       tiles_kernel<256, 2><<<g, 256, 0, st>>>(w, rows, rb, out);
+     }},
+};
+
 }  // namespace
 
 // N kernels of each pattern over N regions of M MB each, as one graph: microseconds per kernel.
@@ -131,24 +152,18 @@ int bursts(int64_t burst_mb, int n, int64_t rb, int reps, int sms) {
   CK(cudaMemset(w, 0x5a, size_t(bytes * n)));
   cudaStream_t st;
   CK(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
-  const dim3 grid(unsigned(2 * sms)), block(256);
+  const dim3 grid(unsigned(2 * sms));
   std::printf("%d kernels of %lld rows x %lld bytes (%.1f MB each), one graph\n", n, (long long)rows, (long long)rb,
               double(bytes) / 1e6);
-  for (int pat = 0; pat < 3; ++pat) {
+  for (const Pattern& p : kPatterns) {
     cudaGraph_t g;
     cudaGraphExec_t ge;
     CK(cudaStreamBeginCapture(st, cudaStreamCaptureModeThreadLocal));
-    for (int i = 0; i < n; ++i) {
-      const char* wi = w + int64_t(i) * bytes;
-      if (pat == 0) rows_kernel<<<grid, block, 0, st>>>(wi, rows, rb, out);
-      else if (pat == 1) tiles_kernel<128, 3><<<grid, block, 0, st>>>(wi, rows, rb, out);
-      else tiles_kernel<256, 2><<<grid, block, 0, st>>>(wi, rows, rb, out);
-    }
+    for (int i = 0; i < n; ++i) p.launch(grid, w + int64_t(i) * bytes, rows, rb, out, st);
     CK(cudaStreamEndCapture(st, &g));
     CK(cudaGraphInstantiate(&ge, g, 0));
     const double us = 1e3 * time_ms([&] { CK(cudaGraphLaunch(ge, st)); }, reps, st) / n;
-    const char* names[] = {"rows", "tiles (128 B/row/iter, ring 3)", "tiles256 (ring 2)"};
-    std::printf("%-34s %8.2f us per kernel  %6.0f GB/s\n", names[pat], us, double(bytes) / (us * 1e3));
+    std::printf("%-52s %8.2f us per kernel  %6.0f GB/s\n", p.name, us, double(bytes) / (us * 1e3));
     CK(cudaGraphExecDestroy(ge));
     CK(cudaGraphDestroy(g));
   }
@@ -193,21 +208,13 @@ int main(int argc, char** argv) {
   const double copy_gbs = 2 * gb / (copy * 1e-3);
   std::printf("%lld rows x %lld bytes (%.2f GB); copy bandwidth %.0f GB/s (read + write)\n", (long long)rows,
               (long long)rb, gb, copy_gbs);
-  const dim3 grid(unsigned(2 * sms)), block(256);
-  struct Run {
-    const char* name;
-    double ms;
-  };
-  std::vector<Run> runs = {
-      {"rows (FMA GEMV pattern)", time_ms([&] { rows_kernel<<<grid, block>>>(w, rows, rb, out); }, reps)},
-      {"tiles (tensor-core GEMV, 128 B/row/iter, ring 3)",
-       time_ms([&] { tiles_kernel<128, 3><<<grid, block>>>(w, rows, rb, out); }, reps)},
-      {"tiles256 (256 B/row/iter, ring 2)", time_ms([&] { tiles_kernel<256, 2><<<grid, block>>>(w, rows, rb, out); }, reps)},
-  };
-  CK(cudaGetLastError());
-  for (const Run& r : runs)
-    std::printf("%-52s %8.3f ms  %6.0f GB/s  %5.1f%% of copy\n", r.name, r.ms, gb / (r.ms * 1e-3),
-                100.0 * gb / (r.ms * 1e-3) / copy_gbs);
+  const dim3 grid(unsigned(2 * sms));
+  for (const Pattern& p : kPatterns) {
+    const double ms = time_ms([&] { p.launch(grid, w, rows, rb, out, nullptr); }, reps);
+    CK(cudaGetLastError());
+    std::printf("%-52s %8.3f ms  %6.0f GB/s  %5.1f%% of copy\n", p.name, ms, gb / (ms * 1e-3),
+                100.0 * gb / (ms * 1e-3) / copy_gbs);
+  }
   CK(cudaFree(w));
   CK(cudaFree(dst));
   CK(cudaFree(out));
