@@ -220,8 +220,11 @@ __device__ void warp_rows(const Job& J, int64_t ra, int64_t rb) {
 // or w1/w3 rows when fused) in batches of PU chunks per row and lane, loading batch i + 1 while it
 // computes batch i, so its loads stay in flight back to back. The first batch may be loaded
 // before pdl_wait (weights never depend on the previous kernel): `first_loaded`.
+#ifndef DSV3_GEMV_PU1  // chunks per row and lane per batch of a one-token stream
+#define DSV3_GEMV_PU1 4
+#endif
 template <int NT>
-__host__ __device__ constexpr int pipe_unroll() { return NT == 1 ? 4 : 2; }
+__host__ __device__ constexpr int pipe_unroll() { return NT == 1 ? DSV3_GEMV_PU1 : 2; }
 
 template <int WT, int NT, bool TWO = false, bool SX = false>  // TWO: a second weight J.c after J.a's row
 struct Stream {                                                // groups; SX: x in shared memory

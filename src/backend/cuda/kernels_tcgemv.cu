@@ -51,6 +51,18 @@
 #define DSV3_TRACE_BLOCKS 0
 #endif
 
+// Iterations of weight loads in flight per warp (the register ring): fused w1 / w3 (4 KB of a
+// warp's loads per iteration), and one weight (2 KB). Fewer bytes in flight are faster here: the
+// memory system is saturated either way, and what more requests add is queueing, which every
+// load, the dependent small reads included, then waits through (H200, run33: 2 / 3 -> 1 / 2:
+// FP8 b1 +2%, b8 +3%, bf16 b8 +1%).
+#ifndef DSV3_TCV_NB_FUSED
+#define DSV3_TCV_NB_FUSED 1
+#endif
+#ifndef DSV3_TCV_NB_PLAIN
+#define DSV3_TCV_NB_PLAIN 2
+#endif
+
 namespace dsv3::cuda {
 namespace {
 
@@ -245,7 +257,7 @@ __device__ void tcv_run(const TcvJob& J, int64_t tile_base, char* smem) {
   using T = Tcv<WT>;
   constexpr bool FUSED = MODE == 1;
   constexpr int NL = FUSED ? 8 : 4;  // 16-byte loads per lane per iteration
-  constexpr int NB = FUSED ? 2 : 3;  // iterations in the register ring
+  constexpr int NB = FUSED ? DSV3_TCV_NB_FUSED : DSV3_TCV_NB_PLAIN;  // iterations in the register ring
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, c4 = lane & 3;
   const int ks = J.ks;
   const int64_t tile = tile_base + warp / ks;
@@ -480,11 +492,21 @@ int target_blocks_per_sm() {
   return v;
 }
 
+// Most warps per tile (DSV3_CUDA_TCV_KS_MAX, a tuning knob: 1, 2, 4 or 8; default 8).
+int ks_max() {
+  static const int v = [] {
+    const char* e = std::getenv("DSV3_CUDA_TCV_KS_MAX");
+    const int n = e && *e ? std::atoi(e) : 8;
+    return n == 1 || n == 2 || n == 4 ? n : 8;
+  }();
+  return v;
+}
+
 // Warps per tile: the fewest that give every SM the target blocks, at most one per iteration.
 int choose_ks(int64_t tiles, int nit) {
   int best = 1;
   for (int ks : {1, 2, 4, 8}) {
-    if (ks > nit) break;
+    if (ks > nit || ks > ks_max()) break;
     best = ks;
     if ((tiles * ks + kTW - 1) / kTW >= target_blocks_per_sm() * device_sms()) break;
   }
