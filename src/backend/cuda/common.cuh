@@ -160,6 +160,9 @@ __device__ __forceinline__ float block_max(float v, float* red) {
 #ifndef DSV3_TCV_L2PF
 #define DSV3_TCV_L2PF 256
 #endif
+#ifndef DSV3_TCV_L2PF_FP8  // ... for e4m3 weights, whose shallower ring runs best with 128 (run33)
+#define DSV3_TCV_L2PF_FP8 128
+#endif
 #ifndef DSV3_STREAM_L2PF
 #define DSV3_STREAM_L2PF 0
 #endif
@@ -174,11 +177,6 @@ __device__ __forceinline__ float block_max(float v, float* red) {
 #else
 #define DSV3_STREAM_PF ""
 #endif
-#if DSV3_TCV_L2PF
-#define DSV3_TCV_PF ".L2::" DSV3_STR(DSV3_TCV_L2PF) "B"
-#else
-#define DSV3_TCV_PF ""
-#endif
 #if DSV3_CPASYNC_L2PF
 #define DSV3_CPASYNC_PF ".L2::" DSV3_STR(DSV3_CPASYNC_L2PF) "B"
 #else
@@ -191,14 +189,23 @@ __device__ __forceinline__ uint4 ld_stream_plain(const void* p) {
       : "l"(p));
   return r;
 }
+// PF: the prefetch size asked of L2 (0, 64, 128 or 256 bytes).
+template <int PF = DSV3_TCV_L2PF>
 __device__ __forceinline__ uint4 ld_stream_first(const void* p) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  static_assert(PF == 0 || PF == 64 || PF == 128 || PF == 256, "L2 prefetch size");
   uint4 r;
   uint64_t pol;
   asm("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(pol));
-  asm("ld.global.nc.L1::no_allocate.L2::cache_hint" DSV3_TCV_PF ".v4.u32 {%0,%1,%2,%3}, [%4], %5;"
-      : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
-      : "l"(p), "l"(pol));
+#define DSV3_LD_FIRST(pf)                                                                      \
+  asm("ld.global.nc.L1::no_allocate.L2::cache_hint" pf ".v4.u32 {%0,%1,%2,%3}, [%4], %5;"     \
+      : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)                                             \
+      : "l"(p), "l"(pol))
+  if constexpr (PF == 256) DSV3_LD_FIRST(".L2::256B");
+  else if constexpr (PF == 128) DSV3_LD_FIRST(".L2::128B");
+  else if constexpr (PF == 64) DSV3_LD_FIRST(".L2::64B");
+  else DSV3_LD_FIRST("");
+#undef DSV3_LD_FIRST
   return r;
 #else
   return ld_stream_plain(p);
@@ -207,8 +214,9 @@ __device__ __forceinline__ uint4 ld_stream_first(const void* p) {
 __device__ __forceinline__ uint4 ld_stream(const void* p) {
   return DSV3_STREAM_EVICT_FIRST ? ld_stream_first(p) : ld_stream_plain(p);
 }
+template <int PF = DSV3_TCV_L2PF>
 __device__ __forceinline__ uint4 ld_stream_tcv(const void* p) {
-  return DSV3_TCV_EVICT_FIRST ? ld_stream_first(p) : ld_stream(p);
+  return DSV3_TCV_EVICT_FIRST ? ld_stream_first<PF>(p) : ld_stream(p);
 }
 
 __device__ __forceinline__ float bf16_bits(uint32_t h) { return __uint_as_float(h << 16); }

@@ -52,15 +52,22 @@
 #endif
 
 // Iterations of weight loads in flight per warp (the register ring): fused w1 / w3 (4 KB of a
-// warp's loads per iteration), and one weight (2 KB). Fewer bytes in flight are faster here: the
-// memory system is saturated either way, and what more requests add is queueing, which every
-// load, the dependent small reads included, then waits through (H200, run33: 2 / 3 -> 1 / 2:
-// FP8 b1 +2%, b8 +3%, bf16 b8 +1%).
+// warp's loads per iteration), one weight (2 KB), and one weight of one token's e4m3 product.
+// Fewer bytes in flight are faster here: the memory system is saturated either way, and what
+// more requests add is queueing, which every load, the dependent small reads included, then
+// waits through (H200, run33: 2 / 3 -> 1 / 2: FP8 b1 +2%, b8 +3%, bf16 b8 +1%; then one token's
+// e4m3 at 1, with 128-byte L2 prefetches for e4m3 (common.cuh): FP8 b1 +1%, b8 +1%).
 #ifndef DSV3_TCV_NB_FUSED
 #define DSV3_TCV_NB_FUSED 1
 #endif
 #ifndef DSV3_TCV_NB_PLAIN
 #define DSV3_TCV_NB_PLAIN 2
+#endif
+#ifndef DSV3_TCV_NB_PLAIN_ONE_FP8
+#define DSV3_TCV_NB_PLAIN_ONE_FP8 1
+#endif
+#ifndef DSV3_TCV_PRE  // of those, loaded before the PDL wait (at most)
+#define DSV3_TCV_PRE 8
 #endif
 
 namespace dsv3::cuda {
@@ -257,7 +264,9 @@ __device__ void tcv_run(const TcvJob& J, int64_t tile_base, char* smem) {
   using T = Tcv<WT>;
   constexpr bool FUSED = MODE == 1;
   constexpr int NL = FUSED ? 8 : 4;  // 16-byte loads per lane per iteration
-  constexpr int NB = FUSED ? DSV3_TCV_NB_FUSED : DSV3_TCV_NB_PLAIN;  // iterations in the register ring
+  // iterations in the register ring; the L2 prefetch size of the weight loads
+  constexpr int NB = FUSED ? DSV3_TCV_NB_FUSED : ONE && WT == kFP8 ? DSV3_TCV_NB_PLAIN_ONE_FP8 : DSV3_TCV_NB_PLAIN;
+  constexpr int PF = WT == kFP8 ? DSV3_TCV_L2PF_FP8 : DSV3_TCV_L2PF;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, c4 = lane & 3;
   const int ks = J.ks;
   const int64_t tile = tile_base + warp / ks;
@@ -299,18 +308,21 @@ __device__ void tcv_run(const TcvJob& J, int64_t tile_base, char* smem) {
 #endif
   auto load = [&](int i, uint4* r) {  // act_off's two loads per row
     const int64_t o = int64_t(i) * ostep;
-    r[0] = ld_stream_tcv(pa + o), r[1] = ld_stream_tcv(pa + o + half);
-    r[2] = ld_stream_tcv(pb + o), r[3] = ld_stream_tcv(pb + o + half);
+    r[0] = ld_stream_tcv<PF>(pa + o), r[1] = ld_stream_tcv<PF>(pa + o + half);
+    r[2] = ld_stream_tcv<PF>(pb + o), r[3] = ld_stream_tcv<PF>(pb + o + half);
     if constexpr (FUSED) {
-      r[4] = ld_stream_tcv(qa + o), r[5] = ld_stream_tcv(qa + o + half);
-      r[6] = ld_stream_tcv(qb + o), r[7] = ld_stream_tcv(qb + o + half);
+      r[4] = ld_stream_tcv<PF>(qa + o), r[5] = ld_stream_tcv<PF>(qa + o + half);
+      r[6] = ld_stream_tcv<PF>(qb + o), r[7] = ld_stream_tcv<PF>(qb + o + half);
     }
   };
   uint4 buf[NB][NL];
 #pragma unroll
   for (int s = 0; s < NB; ++s)
-    if (i0 + s < i1) load(i0 + s, buf[s]);
+    if (s < DSV3_TCV_PRE && i0 + s < i1) load(i0 + s, buf[s]);
   pdl_wait();
+#pragma unroll
+  for (int s = 0; s < NB; ++s)
+    if (s >= DSV3_TCV_PRE && i0 + s < i1) load(i0 + s, buf[s]);
   // [activation parts][e4m3: multipliers am [m][K / 128]][K-slice partials when ks > 1]
   const int64_t act_bytes = (T::PARTS * int64_t(J.m) * row_bytes<WT>(K) + 15) / 16 * 16;
   float* am = reinterpret_cast<float*>(smem + act_bytes);
