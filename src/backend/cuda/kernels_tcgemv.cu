@@ -69,6 +69,12 @@
 #ifndef DSV3_TCV_PRE  // of those, loaded before the PDL wait (at most)
 #define DSV3_TCV_PRE 8
 #endif
+#ifndef DSV3_TCV_PRE_ONE  // ... in one-token launches
+#define DSV3_TCV_PRE_ONE DSV3_TCV_PRE
+#endif
+#ifndef DSV3_TCV_STAGGER  // one token's fused iterations: w1's next loads issued after w1's MMAs, then w3's (run33:
+#define DSV3_TCV_STAGGER 1  // FP8 b1 +1%; at 8 tokens FP8 -0.5%, bf16 +0.3%, so there it stays off)
+#endif
 
 namespace dsv3::cuda {
 namespace {
@@ -315,14 +321,24 @@ __device__ void tcv_run(const TcvJob& J, int64_t tile_base, char* smem) {
       r[6] = ld_stream_tcv<PF>(qb + o), r[7] = ld_stream_tcv<PF>(qb + o + half);
     }
   };
+  auto load_half = [&](int i, uint4* r, int h) {  // w1's loads (h = 0) or w3's of a fused iteration
+    const int64_t o = int64_t(i) * ostep;
+    const char* x = h ? qa : pa;
+    const char* y = h ? qb : pb;
+    r += 4 * h;
+    r[0] = ld_stream_tcv<PF>(x + o), r[1] = ld_stream_tcv<PF>(x + o + half);
+    r[2] = ld_stream_tcv<PF>(y + o), r[3] = ld_stream_tcv<PF>(y + o + half);
+  };
+  (void)load_half;
+  constexpr int PRE = ONE ? DSV3_TCV_PRE_ONE : DSV3_TCV_PRE;
   uint4 buf[NB][NL];
 #pragma unroll
   for (int s = 0; s < NB; ++s)
-    if (s < DSV3_TCV_PRE && i0 + s < i1) load(i0 + s, buf[s]);
+    if (s < PRE && i0 + s < i1) load(i0 + s, buf[s]);
   pdl_wait();
 #pragma unroll
   for (int s = 0; s < NB; ++s)
-    if (s >= DSV3_TCV_PRE && i0 + s < i1) load(i0 + s, buf[s]);
+    if (s >= PRE && i0 + s < i1) load(i0 + s, buf[s]);
   // [activation parts][e4m3: multipliers am [m][K / 128]][K-slice partials when ks > 1]
   const int64_t act_bytes = (T::PARTS * int64_t(J.m) * row_bytes<WT>(K) + 15) / 16 * 16;
   float* am = reinterpret_cast<float*>(smem + act_bytes);
@@ -365,6 +381,16 @@ __device__ void tcv_run(const TcvJob& J, int64_t tile_base, char* smem) {
         for (int u = 0; u < NL; ++u) xx ^= buf[s][u].x ^ buf[s][u].y ^ buf[s][u].z ^ buf[s][u].w;
         acc[0][0] += __uint_as_float(xx & 0x3fffffffu);
 #else
+        if constexpr (FUSED && NB == 1 && ONE && DSV3_TCV_STAGGER) {  // w1's MMAs, its next loads, then w3's
+          const char* bp = bsrc + int64_t(it) * (WT == kFP8 ? 256 : 128);
+          const float s0[1] = {sc[0]}, s1[1] = {sc[NM - 1]};
+          mma_iter<WT, 1, COLS>(buf[s], bp, PS, sw, has_tok, reinterpret_cast<float(&)[1][4]>(acc[0]), s0, c0, c1);
+          if (it + NB < i1) load_half(it + NB, buf[s], 0);
+          mma_iter<WT, 1, COLS>(buf[s] + 4, bp, PS, sw, has_tok, reinterpret_cast<float(&)[1][4]>(acc[NM - 1]), s1, c0,
+                                c1);
+          if (it + NB < i1) load_half(it + NB, buf[s], 1);
+          continue;
+        }
         mma_iter<WT, NM, COLS>(buf[s], bsrc + int64_t(it) * (WT == kFP8 ? 256 : 128), PS, sw, has_tok, acc, sc, c0, c1);
 #endif
         if (it + NB < i1) load(it + NB, buf[s]);
