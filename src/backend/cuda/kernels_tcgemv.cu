@@ -66,12 +66,6 @@
 #ifndef DSV3_TCV_NB_PLAIN_ONE_FP8
 #define DSV3_TCV_NB_PLAIN_ONE_FP8 1
 #endif
-#ifndef DSV3_TCV_PRE  // of those, loaded before the PDL wait (at most)
-#define DSV3_TCV_PRE 8
-#endif
-#ifndef DSV3_TCV_PRE_ONE  // ... in one-token launches
-#define DSV3_TCV_PRE_ONE DSV3_TCV_PRE
-#endif
 #ifndef DSV3_TCV_STAGGER  // one token's fused iterations: w1's next loads issued after w1's MMAs, then w3's (run33:
 #define DSV3_TCV_STAGGER 1  // FP8 b1 +1%; at 8 tokens FP8 -0.5%, bf16 +0.3%, so there it stays off)
 #endif
@@ -312,16 +306,8 @@ __device__ void tcv_run(const TcvJob& J, int64_t tile_base, char* smem) {
     ostep = 16 * 128;
   }
 #endif
-  auto load = [&](int i, uint4* r) {  // act_off's two loads per row
-    const int64_t o = int64_t(i) * ostep;
-    r[0] = ld_stream_tcv<PF>(pa + o), r[1] = ld_stream_tcv<PF>(pa + o + half);
-    r[2] = ld_stream_tcv<PF>(pb + o), r[3] = ld_stream_tcv<PF>(pb + o + half);
-    if constexpr (FUSED) {
-      r[4] = ld_stream_tcv<PF>(qa + o), r[5] = ld_stream_tcv<PF>(qa + o + half);
-      r[6] = ld_stream_tcv<PF>(qb + o), r[7] = ld_stream_tcv<PF>(qb + o + half);
-    }
-  };
-  auto load_half = [&](int i, uint4* r, int h) {  // w1's loads (h = 0) or w3's of a fused iteration
+  // act_off's two loads per row of one weight: a's (h = 0, r[0..3]) or, fused, b's (h = 1, r[4..7])
+  auto load_half = [&](int i, uint4* r, int h) {
     const int64_t o = int64_t(i) * ostep;
     const char* x = h ? qa : pa;
     const char* y = h ? qb : pb;
@@ -329,16 +315,15 @@ __device__ void tcv_run(const TcvJob& J, int64_t tile_base, char* smem) {
     r[0] = ld_stream_tcv<PF>(x + o), r[1] = ld_stream_tcv<PF>(x + o + half);
     r[2] = ld_stream_tcv<PF>(y + o), r[3] = ld_stream_tcv<PF>(y + o + half);
   };
-  (void)load_half;
-  constexpr int PRE = ONE ? DSV3_TCV_PRE_ONE : DSV3_TCV_PRE;
+  auto load = [&](int i, uint4* r) {
+    load_half(i, r, 0);
+    if constexpr (FUSED) load_half(i, r, 1);
+  };
   uint4 buf[NB][NL];
 #pragma unroll
   for (int s = 0; s < NB; ++s)
-    if (s < PRE && i0 + s < i1) load(i0 + s, buf[s]);
+    if (i0 + s < i1) load(i0 + s, buf[s]);
   pdl_wait();
-#pragma unroll
-  for (int s = 0; s < NB; ++s)
-    if (s >= PRE && i0 + s < i1) load(i0 + s, buf[s]);
   // [activation parts][e4m3: multipliers am [m][K / 128]][K-slice partials when ks > 1]
   const int64_t act_bytes = (T::PARTS * int64_t(J.m) * row_bytes<WT>(K) + 15) / 16 * 16;
   float* am = reinterpret_cast<float*>(smem + act_bytes);
