@@ -4,7 +4,7 @@ kernels_tcgemv.cu; dsv3_cuda_bench with DSV3_CUDA_TRACE=file).
 
 Every block of tcv_moe_kernel leaves two records: (start, expert known) with marker line
 61000 + 10 stage and (activations staged, end) with 61001 + 10 stage; blockIdx.y is the expert
-slot (shared slices first). The wait end W of each launch comes from its block (0, 0)'s ordinary
+slot (shared slices first; the records hold the slot, not blockIdx.y). The wait end W of each launch comes from its block (0, 0)'s ordinary
 record (the kernel's PDL wait, same grid). Printed per stage, medians over the launches of the
 last section, in microseconds from W: when the blocks started, when routed blocks knew their
 expert, when blocks had staged their activations, and when they ended (the last end is the

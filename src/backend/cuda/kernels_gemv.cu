@@ -452,19 +452,20 @@ __global__ void __launch_bounds__(kWarps * 32, 2) gemv2_combine_kernel(Job J, Co
   pdl_trigger();
 }
 
-// blockIdx.y: an expert slot (expert_slot).
+// blockIdx.y: an expert slot (launch_slot, expert_slot).
 template <int WT, int NT>
 __global__ void __launch_bounds__(kWarps * 32, 2) moe_gemv_kernel(int stage, const DevExpert* __restrict__ table,
                                                                   MoeSched s, const float* in, int64_t ldin, bool xvec,
                                                                   float* out, int64_t ldout) {
   int e;
   int64_t off, cnt;
-  if (!expert_slot<NT == 1>(s, stage, blockIdx.y, e, off, cnt)) return;
+  const int y = launch_slot<NT == 1>(s, stage);
+  if (!expert_slot<NT == 1>(s, stage, y, e, off, cnt)) return;
   const DevExpert& X = table[e];
   Job J;
   if (stage == 0) {
     J.a = X.w1, J.b = X.w3, J.fused = true;
-    J.x = in, J.ldx = ldin, J.idx = slot_tokens(s, blockIdx.y, off);
+    J.x = in, J.ldx = ldin, J.idx = slot_tokens(s, y, off);
     J.vec = X.vec13 && xvec;
   } else {
     J.a = X.w2, J.b = X.w2, J.fused = false;

@@ -240,15 +240,15 @@ __device__ __forceinline__ unsigned long long& t_staged() {  // the block's stag
   return t;
 }
 // Two trace records for this block: (start, expert known) and (staged, end), marker lines 61000 + 10 stage;
-// the records' z field is the SM the block ran on.
-__device__ __forceinline__ void trace_block(int stage, unsigned long long t0, unsigned long long t1) {
+// the records' y field is the block's slot y, its z field the SM the block ran on.
+__device__ __forceinline__ void trace_block(int stage, int y, unsigned long long t0, unsigned long long t1) {
   TraceBuf* b = g_trace;
   if (!b) return;
   const unsigned long long t3 = global_ns();
   unsigned smid;
   asm volatile("mov.u32 %0, %%smid;" : "=r"(smid));
   const unsigned long long where =
-      blockIdx.x | (unsigned long long)(blockIdx.y) << 24 | (unsigned long long)(smid) << 48;  // (z: the SM)
+      blockIdx.x | (unsigned long long)(y) << 24 | (unsigned long long)(smid) << 48;  // (y: the slot; z: the SM)
   unsigned long long slot = atomicAdd(&b->ticket, 2ull);
   unsigned long long* r = b->rec[slot % kTraceRecs];
   r[0] = t0, r[1] = t1, r[2] = unsigned(61000 + 10 * stage) | (g_trace_unit << 16), r[3] = where;
@@ -446,7 +446,7 @@ __global__ void __launch_bounds__(kTW * 32, 2) tcv_kernel(TcvJob J, GemvShift sh
   pdl_trigger();
 }
 
-// blockIdx.y: an expert slot (expert_slot), as moe_gemv_kernel.
+// blockIdx.y: an expert slot (launch_slot, expert_slot), as moe_gemv_kernel.
 template <int WT, bool ONE>
 __global__ void __launch_bounds__(kTW * 32, 2) tcv_moe_kernel(int stage, const DevExpert* __restrict__ table,
                                                               MoeSched s, const float* in, int64_t ldin, float* out,
@@ -457,7 +457,8 @@ __global__ void __launch_bounds__(kTW * 32, 2) tcv_moe_kernel(int stage, const D
 #if DSV3_TRACE_BLOCKS
   const unsigned long long t0 = global_ns();
 #endif
-  if (!expert_slot<ONE>(s, stage, blockIdx.y, e, off, cnt)) return;
+  const int y = launch_slot<ONE>(s, stage);
+  if (!expert_slot<ONE>(s, stage, y, e, off, cnt)) return;
 #if DSV3_TRACE_BLOCKS
   const unsigned long long t1 = global_ns();
 #endif
@@ -469,7 +470,7 @@ __global__ void __launch_bounds__(kTW * 32, 2) tcv_moe_kernel(int stage, const D
   const int64_t tb = int64_t(blockIdx.x) * (kTW / ks);
   if (stage == 0) {
     J.a = table[e].w1, J.b = table[e].w3;
-    J.x = in, J.idx = slot_tokens(s, blockIdx.y, off);
+    J.x = in, J.idx = slot_tokens(s, y, off);
     tcv_run<WT, ONE, 1>(J, tb, smem);
   } else {
     J.a = table[e].w2;
@@ -478,7 +479,7 @@ __global__ void __launch_bounds__(kTW * 32, 2) tcv_moe_kernel(int stage, const D
   }
 #if DSV3_TRACE_BLOCKS
   __syncthreads();
-  if (threadIdx.x == 0) trace_block(stage, t0, t1);
+  if (threadIdx.x == 0) trace_block(stage, y, t0, t1);
 #endif
   pdl_trigger();
 }

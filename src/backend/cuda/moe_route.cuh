@@ -445,6 +445,22 @@ __device__ __forceinline__ bool expert_slot(const MoeSched& s, int stage, int y,
   return true;
 }
 
+// DSV3_MOE_S1_ROUTED_FIRST=1: see launch_slot.
+#ifndef DSV3_MOE_S1_ROUTED_FIRST
+#define DSV3_MOE_S1_ROUTED_FIRST 1
+#endif
+// The expert slot of this block of an expert GEMV launch (blockIdx.y in order: shared slices
+// first). One routed token's stage 1 puts the routed slots' blocks first: they route before
+// their wait, so they are the ones to start while stage 0 still holds the SMs; the shared
+// slices' blocks, which start later, need no routing.
+template <bool ONE>
+__device__ __forceinline__ int launch_slot(const MoeSched& s, int stage) {
+  const int y = int(blockIdx.y);
+  if (!DSV3_MOE_S1_ROUTED_FIRST || !ONE || stage != 1 || !s.route_logits) return y;
+  const int nr = int(gridDim.y) - s.S;
+  return y < nr ? y + s.S : y - nr;
+}
+
 // The token rows of slot y's pairs from pair row off, for stage 0 (null: tokens 0, 1, ... in
 // order): a shared slice takes every token in order, and one token routed in the block is token 0,
 // so neither reads the permutation rows (the first routed block may still be writing them).
