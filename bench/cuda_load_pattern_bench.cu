@@ -3,13 +3,16 @@
 // reads 512 contiguous bytes of one row per load instruction, two rows, four loads per row in
 // flight), "tiles" = the tensor-core GEMV's (a warp reads 16 rows; per load instruction 8 rows x
 // 64 bytes, four lanes per row; a 3-deep register ring of 128-byte-per-row iterations), and
-// "tiles256" = the same with 256 bytes per row per iteration (two deep). Prints GB/s and the
+// "tiles256" = the same with 256 bytes per row per iteration (two deep); "tiles" also with a ring of
+// 2 and 1 iterations (the bytes in flight per warp that kernels_tcgemv.cu keeps since run33). Prints GB/s and the
 // fraction of the copy bandwidth. Not a test: a measurement for kernels_tcgemv.cu's design.
 // --burst-mb M: instead, N = --bursts kernels one after another, each over its own M MB (as a
 // decode step's expert stages: one layer's weights per kernel, none of it in L2), recorded as one
 // CUDA graph; prints the time per kernel and its bandwidth for each pattern.
+// --bps B: blocks of 8 warps per SM (default 2, as the GEMVs), so that the bytes in flight vary
+// with the ring depth and the warp count.
 //
-//   dsv3_cuda_load_pattern_bench [--mb 1024] [--row-bytes 4096] [--reps 20] [--burst-mb M --bursts 26]
+//   dsv3_cuda_load_pattern_bench [--mb 1024] [--row-bytes 4096] [--reps 20] [--bps 2] [--burst-mb M --bursts 26]
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -134,6 +137,14 @@ const Pattern kPatterns[] = {
      [](dim3 g, const char* w, int64_t rows, int64_t rb, unsigned* out, cudaStream_t st) {
        tiles_kernel<128, 3><<<g, 256, 0, st>>>(w, rows, rb, out);
      }},
+    {"tiles, ring 2 (one weight's ring)",
+     [](dim3 g, const char* w, int64_t rows, int64_t rb, unsigned* out, cudaStream_t st) {
+       tiles_kernel<128, 2><<<g, 256, 0, st>>>(w, rows, rb, out);
+     }},
+    {"tiles, ring 1",
+     [](dim3 g, const char* w, int64_t rows, int64_t rb, unsigned* out, cudaStream_t st) {
+       tiles_kernel<128, 1><<<g, 256, 0, st>>>(w, rows, rb, out);
+     }},
     {"tiles256 (256 B/row/iter, ring 2)",
      [](dim3 g, const char* w, int64_t rows, int64_t rb, unsigned* out, cudaStream_t st) {
        tiles_kernel<256, 2><<<g, 256, 0, st>>>(w, rows, rb, out);
@@ -143,7 +154,7 @@ const Pattern kPatterns[] = {
 }  // namespace
 
 // N kernels of each pattern over N regions of M MB each, as one graph: microseconds per kernel.
-int bursts(int64_t burst_mb, int n, int64_t rb, int reps, int sms) {
+int bursts(int64_t burst_mb, int n, int64_t rb, int reps, int sms, int bps) {
   const int64_t rows = (burst_mb << 20) / rb / 16 * 16, bytes = rows * rb;
   char* w = nullptr;
   unsigned* out = nullptr;
@@ -152,9 +163,9 @@ int bursts(int64_t burst_mb, int n, int64_t rb, int reps, int sms) {
   CK(cudaMemset(w, 0x5a, size_t(bytes * n)));
   cudaStream_t st;
   CK(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
-  const dim3 grid(unsigned(2 * sms));
-  std::printf("%d kernels of %lld rows x %lld bytes (%.1f MB each), one graph\n", n, (long long)rows, (long long)rb,
-              double(bytes) / 1e6);
+  const dim3 grid(unsigned(bps * sms));
+  std::printf("%d kernels of %lld rows x %lld bytes (%.1f MB each), one graph, %d blocks per SM\n", n, (long long)rows,
+              (long long)rb, double(bytes) / 1e6, bps);
   for (const Pattern& p : kPatterns) {
     cudaGraph_t g;
     cudaGraphExec_t ge;
@@ -175,26 +186,27 @@ int bursts(int64_t burst_mb, int n, int64_t rb, int reps, int sms) {
 
 int main(int argc, char** argv) {
   int64_t mb = 1024, rb = 4096, burst_mb = 0;
-  int reps = 20, nb = 26;
+  int reps = 20, nb = 26, bps = 2;
   for (int i = 1; i + 1 < argc; i += 2) {
     if (!std::strcmp(argv[i], "--mb")) mb = std::atoll(argv[i + 1]);
     else if (!std::strcmp(argv[i], "--row-bytes")) rb = std::atoll(argv[i + 1]);
     else if (!std::strcmp(argv[i], "--reps")) reps = std::atoi(argv[i + 1]);
     else if (!std::strcmp(argv[i], "--burst-mb")) burst_mb = std::atoll(argv[i + 1]);
     else if (!std::strcmp(argv[i], "--bursts")) nb = std::atoi(argv[i + 1]);
+    else if (!std::strcmp(argv[i], "--bps")) bps = std::atoi(argv[i + 1]);
     else {
       std::fprintf(stderr,
-                   "usage: dsv3_cuda_load_pattern_bench [--mb N] [--row-bytes B] [--reps N] [--burst-mb M --bursts N]\n");
+                   "usage: dsv3_cuda_load_pattern_bench [--mb N] [--row-bytes B] [--reps N] [--bps B] [--burst-mb M --bursts N]\n");
       return 2;
     }
   }
-  if (rb % 256 != 0 || mb <= 0 || burst_mb < 0 || nb < 1) {
-    std::fprintf(stderr, "--row-bytes must be a multiple of 256, --mb positive, --bursts at least 1\n");
+  if (rb % 256 != 0 || mb <= 0 || burst_mb < 0 || nb < 1 || bps < 1 || bps > 8) {
+    std::fprintf(stderr, "--row-bytes must be a multiple of 256, --mb positive, --bursts at least 1, --bps 1-8\n");
     return 2;
   }
   int sms = 0;
   CK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
-  if (burst_mb > 0) return bursts(burst_mb, nb, rb, reps, sms);
+  if (burst_mb > 0) return bursts(burst_mb, nb, rb, reps, sms, bps);
   const int64_t bytes = mb << 20, rows = bytes / rb / 16 * 16;
   char* w = nullptr;
   char* dst = nullptr;
@@ -206,9 +218,9 @@ int main(int argc, char** argv) {
   const double gb = double(rows * rb) / 1e9;
   const double copy = time_ms([&] { CK(cudaMemcpyAsync(dst, w, size_t(rows * rb), cudaMemcpyDeviceToDevice)); }, reps);
   const double copy_gbs = 2 * gb / (copy * 1e-3);
-  std::printf("%lld rows x %lld bytes (%.2f GB); copy bandwidth %.0f GB/s (read + write)\n", (long long)rows,
-              (long long)rb, gb, copy_gbs);
-  const dim3 grid(unsigned(2 * sms));
+  std::printf("%lld rows x %lld bytes (%.2f GB); copy bandwidth %.0f GB/s (read + write); %d blocks per SM\n",
+              (long long)rows, (long long)rb, gb, copy_gbs, bps);
+  const dim3 grid(unsigned(bps * sms));
   for (const Pattern& p : kPatterns) {
     const double ms = time_ms([&] { p.launch(grid, w, rows, rb, out, nullptr); }, reps);
     CK(cudaGetLastError());
