@@ -122,33 +122,25 @@ double time_ms(F f, int reps, cudaStream_t st = nullptr) {
   return t[t.size() / 2];
 }
 
-// The three load patterns, by name, each launched on 2 blocks of 8 warps per SM.
+// The load patterns, by name; launched on --bps blocks of 8 warps per SM.
 using PatternLaunch = void (*)(dim3, const char*, int64_t, int64_t, unsigned*, cudaStream_t);
 struct Pattern {
   const char* name;
   PatternLaunch launch;
 };
+void launch_rows(dim3 g, const char* w, int64_t rows, int64_t rb, unsigned* out, cudaStream_t st) {
+  rows_kernel<<<g, 256, 0, st>>>(w, rows, rb, out);
+}
+template <int PER, int NB>
+void launch_tiles(dim3 g, const char* w, int64_t rows, int64_t rb, unsigned* out, cudaStream_t st) {
+  tiles_kernel<PER, NB><<<g, 256, 0, st>>>(w, rows, rb, out);
+}
 const Pattern kPatterns[] = {
-    {"rows (FMA GEMV pattern)",
-     [](dim3 g, const char* w, int64_t rows, int64_t rb, unsigned* out, cudaStream_t st) {
-       rows_kernel<<<g, 256, 0, st>>>(w, rows, rb, out);
-     }},
-    {"tiles (tensor-core GEMV, 128 B/row/iter, ring 3)",
-     [](dim3 g, const char* w, int64_t rows, int64_t rb, unsigned* out, cudaStream_t st) {
-       tiles_kernel<128, 3><<<g, 256, 0, st>>>(w, rows, rb, out);
-     }},
-    {"tiles, ring 2 (one weight's ring)",
-     [](dim3 g, const char* w, int64_t rows, int64_t rb, unsigned* out, cudaStream_t st) {
-       tiles_kernel<128, 2><<<g, 256, 0, st>>>(w, rows, rb, out);
-     }},
-    {"tiles, ring 1",
-     [](dim3 g, const char* w, int64_t rows, int64_t rb, unsigned* out, cudaStream_t st) {
-       tiles_kernel<128, 1><<<g, 256, 0, st>>>(w, rows, rb, out);
-     }},
-    {"tiles256 (256 B/row/iter, ring 2)",
-     [](dim3 g, const char* w, int64_t rows, int64_t rb, unsigned* out, cudaStream_t st) {
-       tiles_kernel<256, 2><<<g, 256, 0, st>>>(w, rows, rb, out);
-     }},
+    {"rows (FMA GEMV pattern)", launch_rows},
+    {"tiles (tensor-core GEMV, 128 B/row/iter, ring 3)", launch_tiles<128, 3>},
+    {"tiles, ring 2 (one weight's ring)", launch_tiles<128, 2>},
+    {"tiles, ring 1", launch_tiles<128, 1>},
+    {"tiles256 (256 B/row/iter, ring 2)", launch_tiles<256, 2>},
 };
 
 }  // namespace

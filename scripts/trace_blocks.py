@@ -3,10 +3,10 @@
 kernels_tcgemv.cu; dsv3_cuda_bench with DSV3_CUDA_TRACE=file).
 
 Every block of tcv_moe_kernel leaves two records: (start, expert known) with marker line
-61000 + 10 stage and (activations staged, end) with 61001 + 10 stage; blockIdx.y is the expert
-slot (shared slices first; the records hold the slot, not blockIdx.y). The wait end W of each launch comes from its block (0, 0)'s ordinary
-record (the kernel's PDL wait, same grid). Printed per stage, medians over the launches of the
-last section, in microseconds from W: when the blocks started, when routed blocks knew their
+61000 + 10 stage and (activations staged, end) with 61001 + 10 stage; their y field is the block's
+expert slot (shared slices first, whatever order launch_slot gives blockIdx.y). The wait end W of
+each launch comes from its block (0, 0)'s ordinary record (the kernel's PDL wait, same grid).
+Printed per stage, medians over the launches of the last section, in microseconds from W: when the blocks started, when routed blocks knew their
 expert, when blocks had staged their activations, and when they ended (the last end is the
 stage's completion). By SM (the records' z field): the median end of blocks whose SM held one,
 two or three of the launch's blocks, and how many SMs did (sms_0 is not printed: 132 less the rest).
