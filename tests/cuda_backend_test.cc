@@ -972,6 +972,18 @@ TEST(CudaOps, DecodeAttentionMatchesFloat64) {
     }
 }
 
+// One token at position p of a single-token decode attention test: its position on the device
+// and the buffers for the attention's splits (mla_decode_splits, one head per block).
+struct OneTokenSplits {
+  cuda::DevPos tp;
+  int ns;
+  Dev pos, part, ml, ol;
+  OneTokenSplits(Backend& be, const cuda::MlaDims& d, int32_t p)
+      : tp{0, p}, ns(cuda::mla_decode_splits(d, 1, 0, 1)), pos(be, pos_words(&tp, 1)),
+        part(be, size_t(ns * d.H * d.C)), ml(be, size_t(ns * d.H * 2)), ol(be, size_t(d.H * d.C)) {}
+  const cuda::DevPos* pp() const { return reinterpret_cast<const cuda::DevPos*>(pos.p); }
+};
+
 // One token's value absorption combining the decode attention's position splits itself
 // (mla_decode_attn with combine = false, then gemv_splits), bf16 and float32 wkv_b at the 16B
 // shape: the same numbers as the attention's own combine followed by the plain GEMV, and the
@@ -996,11 +1008,10 @@ TEST(CudaOps, ValueAbsorptionCombinesSplits) {
     cuda::Launch L;
     ASSERT_TRUE(cuda::gemv_splits_ok(L, wv));
     for (int32_t p : {0, 40, 700, 2047}) {
-      const cuda::DevPos tp{0, p};
-      Dev dpos(*cuda, pos_words(&tp, 1));
-      const auto* pp = reinterpret_cast<const cuda::DevPos*>(dpos.p);
-      const int ns = cuda::mla_decode_splits(d, 1, 0, 1);
-      Dev part(*cuda, size_t(ns * H * C)), ml(*cuda, size_t(ns * H * 2)), ol(*cuda, size_t(H * C));
+      OneTokenSplits k(*cuda, d, p);
+      const auto* pp = k.pp();
+      const int ns = k.ns;
+      Dev &part = k.part, &ml = k.ml, &ol = k.ol;
       Dev want(*cuda, std::vector<float>(size_t(H * V), std::nanf(""))), got(*cuda, want.get());
       auto* counters = reinterpret_cast<unsigned*>(cnt.p);
       cuda::mla_decode_attn(L, d, pp, 1, dqa.p, dq.p, dkv.p, dpe.p, ns, part.p, ml.p, counters, ol.p, true, 1);
@@ -1400,6 +1411,123 @@ TEST(CudaOps, FlashPrefillMatchesFloat64) {
       // split: three bf16 products per MMA (~16 bits kept); fast: operands rounded once to bf16
       EXPECT_LE(rel_l2(got.data(), wantf.data(), got.size()), split ? 5e-5 : 1e-2)
           << sh.nope << "/" << sh.R << "/" << sh.V << " m " << m << " pos0 " << sh.pos0 << (split ? " split" : " fast");
+    }
+  }
+}
+
+// One token's value absorption and wo in one launch (cuda::vo, the vo_fuse option): the decode
+// attention's splits (combine = false), then vo, against gemv_splits + the plain GEMV of wo and
+// against the reference ops on the attention's latent; bf16 and e4m3 at the 16B shape and the
+// golden models' (4 heads of 32 values, C = 128, dim 256); positions 0 (one split) to 2047;
+// launched twice (its counters reset themselves: the same bits again).
+TEST(CudaOps, ValueAbsorptionIntoWoMatchesRef) {
+  REQUIRE_GPU();
+  auto ref = make_ref_backend();
+  auto cuda = make_cuda_backend(opts());
+  struct Shape {
+    int64_t H, nope, R, C, V, D;
+  };
+  for (const Shape& S : {Shape{16, 128, 64, 512, 128, 2048}, Shape{4, 32, 16, 128, 32, 256}}) {
+    cuda::MlaDims d;
+    d.H = S.H, d.nope = S.nope, d.R = S.R, d.C = S.C, d.V = S.V, d.max_len = 2048, d.scale = 0.0721f;
+    const int64_t H = d.H, C = d.C, R = d.R, V = d.V, KV = d.nope + d.V, ML = d.max_len, D = S.D;
+    const std::vector<float> qa = randn(size_t(H * C), 71), q = randn(size_t(H * d.qk()), 72),
+                             ckv = randn(size_t(ML * C), 73, 0.5f), cpe = randn(size_t(ML * R), 74, 0.5f);
+    Dev dqa(*cuda, qa), dq(*cuda, q), dkv(*cuda, ckv), dpe(*cuda, cpe), cnt(*cuda, 4096);
+    Dev vcnt(*cuda, size_t(cuda::kVoMaxGroups)), party(*cuda, size_t(H * D));
+    for (DType t : {DType::BF16, DType::F8_E4M3}) {
+      HostLinear hb = make_linear(t, H * KV, C, 75), ho = make_linear(t, D, H * V, 76);
+      const Linear db = to_device(*cuda, hb.lin), dob = to_device(*cuda, ho.lin);
+      DevLinear wv = dev_linear_of(db, H * KV, C);
+      wv.row0 = d.nope, wv.rows = V;  // head 0's value rows
+      const DevLinear wo = dev_linear_of(dob, D, H * V);
+      cuda::GemvShift sh;
+      sh.xs = C, sh.ys = V, sh.wrows = KV;
+      cuda::Launch L;
+      ASSERT_TRUE(cuda::vo_ok(wv, wo, int(H))) << dtype_name(t) << " " << H << " heads";
+      for (int32_t p : {0, 40, 700, 2047}) {
+        OneTokenSplits k(*cuda, d, p);
+        const auto* pp = k.pp();
+        const int ns = k.ns;
+        Dev &part = k.part, &ml = k.ml, &ol = k.ol;
+        auto* counters = reinterpret_cast<unsigned*>(cnt.p);
+        // The attention combining its own splits: the latent for the reference ops.
+        cuda::mla_decode_attn(L, d, pp, 1, dqa.p, dq.p, dkv.p, dpe.p, ns, part.p, ml.p, counters, ol.p, true, 1);
+        ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+        const std::vector<float> olh = ol.get();
+        // Splits left to the absorption, as the option runs it.
+        Dev ol2(*cuda, std::vector<float>(size_t(H * C), p == 0 ? 0.f : std::nanf("")));  // one split: ol is written
+        cuda::mla_decode_attn(L, d, pp, 1, dqa.p, dq.p, dkv.p, dpe.p, ns, part.p, ml.p, counters, ol2.p, true, 1, false);
+        Dev a(*cuda, size_t(H * V)), want(*cuda, size_t(D)), got(*cuda, std::vector<float>(size_t(D), std::nanf("")));
+        cuda::gemv_splits(L, wv, int(H), sh, pp, ns, part.p, ml.p, ol2.p, a.p);
+        cuda::gemv(L, wo, nullptr, a.p, H * V, nullptr, 1, want.p, D);
+        cuda::vo(L, wv, KV, wo, int(H), pp, ns, part.p, ml.p, ol2.p, party.p, reinterpret_cast<unsigned*>(vcnt.p),
+                 got.p);
+        ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+        const std::vector<float> goth = got.get(), wanth = want.get();
+        const std::string what = str(dtype_name(t), " ", H, " heads, position ", p, ", ", ns, " splits");
+        for (size_t e = 0; e < goth.size(); ++e) ASSERT_TRUE(std::isfinite(goth[e])) << what << ": NaN at " << e;
+        EXPECT_LE(rel_l2(goth.data(), wanth.data(), goth.size()), 1e-6) << what;
+        Dev again(*cuda, std::vector<float>(size_t(D), std::nanf("")));
+        cuda::vo(L, wv, KV, wo, int(H), pp, ns, part.p, ml.p, ol2.p, party.p, reinterpret_cast<unsigned*>(vcnt.p),
+                 again.p);
+        ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+        EXPECT_EQ(again.get(), goth) << what << ": a second launch";
+        // The reference ops on the GPU attention's latent: each head's value rows, then wo.
+        std::vector<float> full(static_cast<size_t>(H * KV)), av(static_cast<size_t>(H * V)), oracle(static_cast<size_t>(D));
+        for (int64_t b = 0; b < H; ++b) {
+          ref->linear(olh.data() + b * C, 1, hb.lin, full.data());
+          for (int64_t v = 0; v < V; ++v) av[size_t(b * V + v)] = full[size_t(b * KV + d.nope + v)];
+        }
+        ref->linear(av.data(), 1, ho.lin, oracle.data());
+        EXPECT_LE(rel_l2(goth.data(), oracle.data(), goth.size()), 2e-6) << what;
+      }
+    }
+  }
+}
+
+// The same fusion inside the model (golden checkpoints, one slot): a prompt, then one-token
+// decode steps to position 47 (one split up to 16 positions, several after), with the option
+// on and off, recorded as graphs and profiled (no graphs): the same logits to float32 rounding,
+// the same argmax, and in the profiled runs the fused launch is what ran when on, never when off.
+TEST(CudaOps, ValueAbsorptionIntoWoInTheModel) {
+  REQUIRE_GPU();
+  for (const char* c : {"v3_fp8", "v2lite_bf16"}) {
+    std::vector<std::vector<float>> logits[4];  // [fuse + 2 * profiled]
+    for (int k = 0; k < 4; ++k) {
+      const bool fuse = k % 2 == 1, profiled = k >= 2;
+      CudaOptions o;
+      o.vo_fuse = fuse;
+      o.profile = profiled;
+      auto be = make_cuda_backend(o);
+      Backend& b = *be;
+      ModelOptions mo;
+      mo.max_slots = 1;
+      Model model(Checkpoint::open(case_dir(c) + "/hf"), std::move(be), mo);
+      const int V = model.args().vocab_size;
+      std::vector<int32_t> tok = {3, 17, 5, 11};
+      std::vector<float> out(static_cast<size_t>(V));
+      if (profiled) cuda::profile_report(b, true);
+      model.forward(tok.data(), 1, int(tok.size()), 0, out.data());
+      for (int pos = int(tok.size()); pos < 48; ++pos) {
+        const int32_t next = int32_t(argmax(out.data(), V));
+        model.forward(&next, 1, 1, pos, out.data());
+        logits[k].push_back(out);
+      }
+      if (profiled) {
+        const std::string rep = cuda::profile_report(b, true);
+        EXPECT_EQ(rep.find("mla.out+wo") != std::string::npos, fuse) << c << "\n" << rep;
+      }
+    }
+    for (int k = 1; k < 4; ++k) {
+      ASSERT_EQ(logits[k].size(), logits[0].size());
+      for (size_t s = 0; s < logits[0].size(); ++s) {
+        const std::vector<float>& a = logits[0][s];
+        const std::vector<float>& f = logits[k][s];
+        const std::string what = str(c, " run ", k, " step ", s);
+        EXPECT_LE(rel_l2(f.data(), a.data(), a.size()), 1e-5) << what;
+        EXPECT_EQ(argmax(f.data(), int(f.size())), argmax(a.data(), int(a.size()))) << what;
+      }
     }
   }
 }

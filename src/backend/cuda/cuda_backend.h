@@ -72,6 +72,10 @@ struct CudaOptions {
                                // paired wq / wkv_a GEMV (each block for its own use, block 0 writing y, h
                                // and x; where the FMA GEMV takes both): one one-block kernel fewer
                                // (DSV3_CUDA_COMBINE_IN_GEMV=0: moe_combine_add_rmsnorm launched on its own)
+  bool vo_fuse = false;  // one token's value absorption (with its split combine) and wo in one launch
+                        // (cuda::vo: each block one head's partial of some wo rows, the last of a row
+                        // group adding them; no kernel boundary between the two). Off until measured on
+                        // the H200 (DSV3_CUDA_VO=1)
   bool fp8_wgmma = true; // FP8 weights in the pipelined kernel's wgmma form (widened to bf16 in shared memory)
                          // for products of tc_min+ tokens; off: the WMMA GEMM (DSV3_CUDA_FP8_WGMMA=0)
   // A measurement aid, never for results: decode-step kernel groups not launched at all

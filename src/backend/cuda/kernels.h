@@ -126,6 +126,20 @@ void gemv_splits(const Launch& L, const DevLinear& w, int heads, GemvShift shift
                  const float* part, const float* ml, const float* ol, float* y);
 void gemv2(const Launch& L, const DevLinear& w, float* y, const DevLinear& w2, float* y2, const float* x, int64_t m);
 
+// One token's value absorption and output projection in one launch (kernels_vo.cu), after
+// mla_decode_attn with combine = false: head b's latent (its splits combined as gemv_splits does)
+// through head b's value rows (wv: head 0's [V, C] rows of wkv_b, head b's b * wrows rows
+// further), then y[r] = sum over heads b, in order, of wo[r, bV .. bV + V) · (wv_b · latent_b).
+// Blocks of a row group each compute one head's partial (part_y: heads * wo.rows floats of
+// scratch); the last to arrive at counters[group] (zeroed; it resets it) adds them. vo_ok: bf16 or
+// e4m3 (both alike), C <= 512, V / (16-byte chunk) a power of two <= 32, wo.cols == heads * V, at
+// most kVoMaxGroups row groups (vo_groups).
+constexpr int kVoMaxGroups = 16;
+bool vo_ok(const DevLinear& wv, const DevLinear& wo, int heads);
+int vo_groups(const DevLinear& wv, const DevLinear& wo, int heads);
+void vo(const Launch& L, const DevLinear& wv, int64_t wrows, const DevLinear& wo, int heads, const DevPos* pos,
+        int nsplit, const float* part, const float* ml, const float* ol, float* part_y, unsigned* counters, float* y);
+
 // ---- the same products of m <= 8 tokens on tensor cores (kernels_tcgemv.cu); gemv, gemv2 and
 // the backend's MoE try these first. Each returns false (launching nothing) where it does not
 // apply: m > L.tcv_max, bf16 weights below L.tcv_bf16_min, weights that are not bf16 / e4m3 with K
