@@ -1486,18 +1486,80 @@ TEST(CudaOps, ValueAbsorptionIntoWoMatchesRef) {
   }
 }
 
-// The same fusion inside the model (golden checkpoints, one slot): a prompt, then one-token
-// decode steps to position 47 (one split up to 16 positions, several after), with the option
-// on and off, recorded as graphs and profiled (no graphs): the same logits to float32 rounding,
-// the same argmax, and in the profiled runs the fused launch is what ran when on, never when off.
-TEST(CudaOps, ValueAbsorptionIntoWoInTheModel) {
+// One token's decode attention with its MLA prep in the same launch (mla_decode_attn_prep, the
+// prep_in_attn option) against mla_prep_qabs then mla_decode_attn on the same inputs: the
+// attention output, the caches (the token's row written, nothing else), q left as it was; e4m3
+// at the 16B shape (bf16 there does not fit: refused), e4m3 and bf16 at the golden models' shape;
+// positions 0 (one split) to the cache's end; launched twice (its counters reset themselves).
+TEST(CudaOps, DecodeAttentionWithPrepMatchesPrepThenAttention) {
+  REQUIRE_GPU();
+  auto cuda = make_cuda_backend(opts());
+  struct Shape {
+    int64_t H, nope, R, C, V, max_len;
+  };
+  for (const Shape& S : {Shape{16, 128, 64, 512, 128, 2048}, Shape{4, 32, 16, 128, 32, 256}}) {
+    cuda::MlaDims d;
+    d.H = S.H, d.nope = S.nope, d.R = S.R, d.C = S.C, d.V = S.V, d.max_len = S.max_len, d.scale = 0.07f;
+    d.eps = 1e-6f;
+    const int64_t H = d.H, C = d.C, R = d.R, qk = d.qk(), ML = d.max_len, rows = H * (d.nope + d.V);
+    const std::vector<float> q = randn(size_t(H * qk), 81), kv = randn(size_t(C + R), 82), nw = randn(size_t(C), 83),
+                             rope = randn(size_t(ML * R), 84), hkv = randn(size_t(ML * C), 85, 0.5f),
+                             hpe = randn(size_t(ML * R), 86, 0.5f);
+    Dev dkv(*cuda, kv), dnw(*cuda, nw), drope(*cuda, rope), cnt(*cuda, 4096);
+    for (DType t : {DType::F8_E4M3, DType::BF16}) {
+      HostLinear hw = make_linear(t, rows, C, 87);
+      const Linear dl = to_device(*cuda, hw.lin);
+      const DevLinear w = dev_linear_of(dl, rows, C);
+      const bool big = S.C == 512;
+      if (big && t == DType::BF16) {  // 128 KB of weights per block
+        EXPECT_FALSE(cuda::mla_decode_prep_ok(d, w, 4096));
+        continue;
+      }
+      ASSERT_TRUE(cuda::mla_decode_prep_ok(d, w, 4096)) << dtype_name(t) << " C " << C;
+      for (int32_t p : {0, 15, 16, 40, int32_t(ML - 1)}) {
+        OneTokenSplits k(*cuda, d, p);
+        const std::string what = str(dtype_name(t), " C ", C, " position ", p, ", ", k.ns, " splits");
+        // Two kernels: prep (q's rope part rotated in place, the cache row) and absorption, then the attention.
+        Dev qa(*cuda, size_t(H * C)), dqa(*cuda, q), ckva(*cuda, hkv), cpea(*cuda, hpe), ola(*cuda, size_t(H * C));
+        auto* counters = reinterpret_cast<unsigned*>(cnt.p);
+        cuda::Launch L;
+        cuda::mla_prep_qabs(L, d, k.pp(), 1, dqa.p, dkv.p, dnw.p, drope.p, ckva.p, cpea.p, w, qa.p, true);
+        cuda::mla_decode_attn(L, d, k.pp(), 1, qa.p, dqa.p, ckva.p, cpea.p, k.ns, k.part.p, k.ml.p, counters, ola.p,
+                              true, 1);
+        ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+        const std::vector<float> want = ola.get(), want_kv = ckva.get(), want_pe = cpea.get();
+        for (int rep = 0; rep < 2; ++rep) {
+          Dev dqb(*cuda, q), ckvb(*cuda, hkv), cpeb(*cuda, hpe);
+          Dev olb(*cuda, std::vector<float>(size_t(H * C), std::nanf("")));
+          cuda::mla_decode_attn_prep(L, d, k.pp(), dqb.p, dkv.p, dnw.p, drope.p, w, ckvb.p, cpeb.p, k.ns, k.part.p,
+                                     k.ml.p, counters, olb.p);
+          ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+          const std::vector<float> got = olb.get();
+          for (size_t e = 0; e < got.size(); ++e) ASSERT_TRUE(std::isfinite(got[e])) << what << ": unwritten at " << e;
+          EXPECT_LE(rel_l2(got.data(), want.data(), got.size()), 1e-6) << what << ", launch " << rep;
+          EXPECT_LE(max_abs_diff(ckvb.get(), want_kv), 1e-6) << what << ": latent cache";
+          EXPECT_LE(max_abs_diff(cpeb.get(), want_pe), 1e-6) << what << ": rope cache";
+          EXPECT_EQ(dqb.get(), q) << what << ": q written";
+        }
+      }
+    }
+  }
+}
+
+// The one-token fusions inside the model (golden checkpoints, one slot): a prompt, then one-token
+// decode steps to position 47 (one split up to 16 positions, several after), with vo_fuse and
+// prep_in_attn each on and off, recorded as graphs, and both on and both off profiled (no graphs):
+// the same logits to float32 rounding, the same argmax, and in the profiled runs the fused
+// launches are what ran when on, never when off.
+TEST(CudaOps, OneTokenFusionsInTheModel) {
   REQUIRE_GPU();
   for (const char* c : {"v3_fp8", "v2lite_bf16"}) {
-    std::vector<std::vector<float>> logits[4];  // [fuse + 2 * profiled]
-    for (int k = 0; k < 4; ++k) {
-      const bool fuse = k % 2 == 1, profiled = k >= 2;
+    std::vector<std::vector<float>> logits[6];
+    for (int k = 0; k < 6; ++k) {
+      const bool vo = k == 1 || k == 3 || k == 4, prep = k == 2 || k == 3 || k == 4, profiled = k >= 4;
       CudaOptions o;
-      o.vo_fuse = fuse;
+      o.vo_fuse = vo;
+      o.prep_in_attn = prep;
       o.profile = profiled;
       auto be = make_cuda_backend(o);
       Backend& b = *be;
@@ -1516,10 +1578,11 @@ TEST(CudaOps, ValueAbsorptionIntoWoInTheModel) {
       }
       if (profiled) {
         const std::string rep = cuda::profile_report(b, true);
-        EXPECT_EQ(rep.find("mla.out+wo") != std::string::npos, fuse) << c << "\n" << rep;
+        EXPECT_EQ(rep.find("mla.out+wo") != std::string::npos, vo) << c << "\n" << rep;
+        EXPECT_EQ(rep.find("mla.prep+attn1") != std::string::npos, prep) << c << "\n" << rep;
       }
     }
-    for (int k = 1; k < 4; ++k) {
+    for (int k = 1; k < 6; ++k) {
       ASSERT_EQ(logits[k].size(), logits[0].size());
       for (size_t s = 0; s < logits[0].size(); ++s) {
         const std::vector<float>& a = logits[0][s];

@@ -70,6 +70,7 @@ CudaOptions CudaOptions::from_env() {
   o.norm_in_gate = env_flag("DSV3_CUDA_NORM_IN_GATE", o.norm_in_gate);
   o.combine_in_gemv = env_flag("DSV3_CUDA_COMBINE_IN_GEMV", o.combine_in_gemv);
   o.vo_fuse = env_flag("DSV3_CUDA_VO", o.vo_fuse);
+  o.prep_in_attn = env_flag("DSV3_CUDA_PREP_IN_ATTN", o.prep_in_attn);
   return o;
 }
 
@@ -724,9 +725,12 @@ class CudaBackend final : public Backend {
       const bool splits_to_vabs = one && opt_.vabs_splits && n == 1 && ns > 1 && opt_.decode_attn_warps &&
                                   !ko("attn") && !ko("out") && !(use_tc(n) && tc_takes(wv)) &&
                                   cuda::gemv_splits_ok(L_, wv);
+      // One token on one head per block: its prep may be done by the attention's blocks.
+      const bool prep_in = one && n == 1 && hb == 1 && opt_.prep_in_attn && opt_.decode_attn_warps && !ko("prep") &&
+                           !ko("attn") && cuda::mla_decode_prep_ok(d, wkv_b, kAttnCounters);
       {
         float* qa = f32(kLat, size_t(n * H * C));
-        if (ko("prep")) {
+        if (ko("prep") || prep_in) {
         } else if (nope <= 128) {
           cuda::mla_prep_qabs(L_, d, pos, n, q, kv, w.kv_norm.as<float>(), cs, cache.kv, cache.pe, wkv_b, qa,
                               opt_.qabs_vec);
@@ -737,6 +741,10 @@ class CudaBackend final : public Backend {
           cuda::mla_qabs(L_, d, wkv_b, q, n, qa);
         }
         if (ko("attn")) {
+        } else if (prep_in) {
+          mark("mla.prep+attn1");
+          cuda::mla_decode_attn_prep(L_, d, pos, q, kv, w.kv_norm.as<float>(), cs, wkv_b, cache.kv, cache.pe, ns, part,
+                                     ml, attn_counters_, ol, !splits_to_vabs);
         } else if (one) {
           mark("mla.attn1");
           cuda::mla_decode_attn(L_, d, pos, n, qa, q, cache.kv, cache.pe, ns, part, ml, attn_counters_, ol,

@@ -76,6 +76,10 @@ struct CudaOptions {
                         // (cuda::vo: each block one head's partial of some wo rows, the last of a row
                         // group adding them; no kernel boundary between the two). Off until measured on
                         // the H200 (DSV3_CUDA_VO=1)
+  bool prep_in_attn = false; // one token's rope, kv_norm, cache write and q absorption done by its decode
+                             // attention's blocks (mla_decode_attn_prep: each its own head's query, the
+                             // split holding the token's position its cache row): one launch fewer. Off
+                             // until measured on the H200 (DSV3_CUDA_PREP_IN_ATTN=1)
   bool fp8_wgmma = true; // FP8 weights in the pipelined kernel's wgmma form (widened to bf16 in shared memory)
                          // for products of tc_min+ tokens; off: the WMMA GEMM (DSV3_CUDA_FP8_WGMMA=0)
   // A measurement aid, never for results: decode-step kernel groups not launched at all

@@ -382,6 +382,18 @@ void mla_decode_attn(const Launch& L, const MlaDims& d, const DevPos* pos, int64
                      int hb = 2,                                        // as loaded; else score/softmax/value passes
                      bool combine = true);  // false (warps only): with several splits, only part and ml are
                                             // written (gemv_splits combines them)
+// One token's decode attention (one head per block) with its MLA prep in the same launch: q is
+// the raw query [H, nope + R] (not rotated; nothing writes it), kv its raw [C + R] row; each block
+// ropes and absorbs its head's query itself (head h's nope rows of wkv_b, [H * (nope + V), C]),
+// and the split holding the token's position makes its cache row (kv_norm_w, the key rope) and
+// uses it from shared memory, head 0's block writing it to cache_kv / cache_pe. Otherwise as
+// mla_decode_attn with n = 1, hb = 1, warps. mla_decode_prep_ok: bf16 or e4m3 wkv_b in 16-byte
+// rows, and its shared memory within two blocks per SM (e4m3 at the 16B shape; bf16 there not).
+bool mla_decode_prep_ok(const MlaDims& d, const DevLinear& wkv_b, int64_t counters);
+void mla_decode_attn_prep(const Launch& L, const MlaDims& d, const DevPos* pos, const float* q, const float* kv,
+                          const float* kv_norm_w, const float* rope, const DevLinear& wkv_b, float* cache_kv,
+                          float* cache_pe, int nsplit, float* part, float* ml, unsigned* counters, float* ol,
+                          bool combine = true);
 // Naive: k_nope and v of the new tokens from kvb [n, H * (nope + V)] into the caches.
 void mla_naive_store(const Launch& L, const MlaDims& d, const DevPos* pos, int64_t n, const float* kvb,
                      float* cache_k, float* cache_v);

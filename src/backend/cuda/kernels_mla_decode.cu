@@ -6,6 +6,7 @@
 
 #include "backend/cuda/common.cuh"
 #include "backend/cuda/mla_splits.cuh"
+#include "backend/cuda/mma.cuh"
 #include "core/error.h"
 
 namespace dsv3::cuda {
@@ -206,8 +207,9 @@ __global__ void __launch_bounds__(256) decode_attn_kernel(MlaDims d, const DevPo
 // two at a time, keeps a running max, sum and latent-weighted sum per head in registers (its
 // lanes' columns) and leaves them in shared memory for the block's merge (dec_merge). One token
 // (preload): the cache rows before its own position were written by earlier steps, so a warp's
-// first two go out before the wait.
-template <int HB>
+// first two go out before the wait. NEWROW (decode_attn_prep_kernel): the token's own row
+// (position len - 1) comes from nrow in shared memory, made by the block itself.
+template <int HB, bool NEWROW = false>
 struct DecRows {
   const MlaDims& d;
   const float* __restrict__ ckv;
@@ -215,6 +217,7 @@ struct DecRows {
   int64_t len, chunk, ts, te, row0;
   int warp, lane, CR;
   bool pre = false;
+  const float* nrow = nullptr;
   float kr[kMaxJ], kq[kMaxJ];
   __device__ DecRows(const MlaDims& d_, DevPos p, const float* ckv_, const float* cpe_)
       : d(d_), ckv(ckv_), cpe(cpe_), warp(int(threadIdx.x >> 5)), lane(int(threadIdx.x & 31)), CR(d_.C + d_.R) {
@@ -224,6 +227,14 @@ struct DecRows {
   }
   __device__ int splits() const { return dec_splits(len, chunk); }  // of this token's length
   __device__ void load_row(int64_t t, float* k) const {
+    if (NEWROW && t == len - 1) {
+#pragma unroll
+      for (int m = 0; m < kMaxJ; ++m) {
+        const int j = lane + 32 * m;
+        k[m] = j < CR ? nrow[j] : 0.f;
+      }
+      return;
+    }
 #pragma unroll
     for (int m = 0; m < kMaxJ; ++m) {
       const int j = lane + 32 * m;
@@ -345,6 +356,147 @@ __global__ void __launch_bounds__(256) decode_attn_warps_kernel(MlaDims d, const
   combine_splits(d, n, i, h0, hb, ns, part, ml, counters, ol, fz, lsum);
 }
 
+// Shared memory of decode_attn_prep_kernel, in floats before the weights: qs [C + R], ws [8][C],
+// fz [kDecMaxSplits], nrow [C + R], qn [nope] (rounded up to 16 bytes); then head h's nope rows of
+// wkv_b's latent columns [nope][C] as stored.
+__host__ __device__ inline int64_t prep_attn_floats(const MlaDims& d) {
+  return (2 * int64_t(d.C + d.R) + 8 * int64_t(d.C) + kDecMaxSplits + d.nope + 3) / 4 * 4;
+}
+
+// One token's decode attention with the token's MLA prep in the same launch (CudaOptions::
+// prep_in_attn; one head per block): block (head h, split z) does for itself what mla_prep_qabs
+// does for the token — head h's rope query and q absorption (head h's nope rows of wkv_b loaded
+// into shared memory before the wait), and, where its split holds the token's own position, the
+// kv_norm and key rope of the token's cache row (prep_token's arithmetic), which its fold then
+// reads from shared memory; head 0's block writes that row to the caches for later steps. Then
+// the attention as decode_attn_warps_kernel. q is the raw query (its rope part not rotated: no
+// kernel writes q here); kv the token's raw [C + R] row.
+template <int WT, bool PRE>
+__global__ void __launch_bounds__(256) decode_attn_prep_kernel(MlaDims d, const DevPos* __restrict__ pos,
+                                                               const float* __restrict__ q,
+                                                               const float* __restrict__ kv,
+                                                               const float* __restrict__ nw,
+                                                               const float* __restrict__ rope, DevLinear wkv_b,
+                                                               float* __restrict__ ckv, float* __restrict__ cpe,
+                                                               float* __restrict__ part, float* __restrict__ ml,
+                                                               unsigned* __restrict__ counters,
+                                                               float* __restrict__ ol, bool combine) {
+  extern __shared__ __align__(16) float dsm[];
+  __shared__ float wm[8][1], wl[8][1], lsum[1], red[33];
+  constexpr int CE = chunk_elems<WT>(), EB = elem_bytes<WT>();
+  const int CR = d.C + d.R, h = int(blockIdx.x), tid = int(threadIdx.x), warp = tid >> 5, lane = tid & 31;
+  float* qs = dsm;
+  float* ws = qs + CR;
+  float* fz = ws + 8 * d.C;
+  float* nrow = fz + kDecMaxSplits;
+  float* qn = nrow + CR;
+  uint4* wk = reinterpret_cast<uint4*>(dsm + prep_attn_floats(d));
+  const DevPos p = pos[0];  // (the step's metadata, copied before the step's first kernel)
+  DecRows<1, true> R(d, p, ckv, cpe);
+  R.nrow = nrow;
+  const bool live = R.ts < R.len;
+  const int64_t cpr = d.C / CE;  // 16-byte chunks per row of the latent columns
+  const int64_t wrow = wkv_b.row0 + int64_t(h) * (d.nope + d.V);
+  if (live) {  // weights and earlier steps' cache rows first: no earlier kernel writes them
+    if (PRE) R.preload();
+    const char* wb = static_cast<const char*>(wkv_b.w);
+    for (int64_t e = tid; e < d.nope * cpr; e += 256) {
+      const int64_t k = e / cpr, c = e - k * cpr;
+      cp_async16(smem_addr(wk + e), wb + ((wrow + k) * wkv_b.ld + wkv_b.col0) * EB + c * 16, true);
+    }
+    cp_async_commit();
+  }
+  pdl_wait();
+  if (!live) return;  // not one of this token's splits
+  const int ns = R.splits();
+  const int half = d.R / 2;
+  const float* cs = rope + int64_t(p.pos) * d.R;
+  const float* qh = q + int64_t(h) * d.qk();
+  for (int e = tid; e < d.nope; e += 256) qn[e] = qh[e];
+  for (int j = tid; j < half; j += 256) {
+    const float a = qh[d.nope + 2 * j], b = qh[d.nope + 2 * j + 1], c = cs[2 * j], s = cs[2 * j + 1];
+    qs[d.C + 2 * j] = a * c - b * s;
+    qs[d.C + 2 * j + 1] = a * s + b * c;
+  }
+  if (R.te == R.len) {  // this split holds the token's own position: its cache row
+    const int64_t row = int64_t(p.slot) * d.max_len + p.pos;
+    float ss = 0.f;
+    for (int c = tid; c < d.C; c += 256) ss += kv[c] * kv[c];
+    ss = block_sum(ss, red);
+    const float r = 1.f / sqrtf(ss / float(d.C) + d.eps);
+    for (int c = tid; c < d.C; c += 256) {
+      const float v = kv[c] * r * nw[c];
+      nrow[c] = v;
+      if (h == 0) ckv[row * d.C + c] = v;
+    }
+    for (int j = tid; j < half; j += 256) {
+      const float a = kv[d.C + 2 * j], b = kv[d.C + 2 * j + 1], c = cs[2 * j], s = cs[2 * j + 1];
+      const float x0 = a * c - b * s, x1 = a * s + b * c;
+      nrow[d.C + 2 * j] = x0, nrow[d.C + 2 * j + 1] = x1;
+      if (h == 0) cpe[row * d.R + 2 * j] = x0, cpe[row * d.R + 2 * j + 1] = x1;
+    }
+  }
+  cp_async_wait<0>();
+  __syncthreads();
+  // The absorbed query qs[c] = sum_k qn[k] wkv_b[wrow + k, c]: warp w the rows w, w + 8, ...; a lane
+  // its chunks lane, lane + 32 (e4m3 times its block scale, as wload); the warps' partials (in ws)
+  // summed in warp order.
+  {
+    constexpr int NV = WT == kFP8 ? 1 : 2;  // chunks per lane (C <= 512)
+    float acc[NV][CE];
+#pragma unroll
+    for (int v = 0; v < NV; ++v)
+#pragma unroll
+      for (int e = 0; e < CE; ++e) acc[v][e] = 0.f;
+    for (int k = warp; k < d.nope; k += 8) {
+      const float qv = qn[k];
+#pragma unroll
+      for (int v = 0; v < NV; ++v) {
+        const int64_t c = lane + 32 * v;
+        if (c >= cpr) break;
+        float wf[CE];
+        decode<WT>(wk[k * cpr + c], wf);
+        const float sc = WT == kFP8 ? wkv_b.s[((wrow + k) >> 7) * wkv_b.lds + ((wkv_b.col0 + c * CE) >> 7)] : 1.f;
+#pragma unroll
+        for (int e = 0; e < CE; ++e) acc[v][e] = fmaf(qv, WT == kFP8 ? wf[e] * sc : wf[e], acc[v][e]);
+      }
+    }
+#pragma unroll
+    for (int v = 0; v < NV; ++v) {
+      const int64_t c = lane + 32 * v;
+      if (c >= cpr) break;
+#pragma unroll
+      for (int e = 0; e < CE; ++e) ws[warp * d.C + c * CE + e] = acc[v][e];
+    }
+    __syncthreads();
+    for (int c = tid; c < d.C; c += 256) {
+      float sum = 0.f;
+#pragma unroll
+      for (int w = 0; w < 8; ++w) sum += ws[w * d.C + c];
+      qs[c] = sum;
+    }
+    __syncthreads();
+  }
+  const bool b0 = DSV3_TRACE && tid == 0 && blockIdx.x == 0 && blockIdx.z == 0;
+  if (b0) trace_point();
+  R.fold(qs, ws, wm, wl);
+  __syncthreads();
+  if (b0) trace_point();
+  const int64_t z = blockIdx.z;
+  float fw[8], L;
+  const float M = dec_merge<1>(wm, wl, 0, fw, L);
+  for (int col = tid; col < d.C; col += 256) {
+    float o = 0.f;
+#pragma unroll
+    for (int w = 0; w < 8; ++w) o += ws[w * d.C + col] * fw[w];
+    if (ns == 1) ol[int64_t(h) * d.C + col] = o / L;
+    else part[(z * d.H + h) * d.C + col] = o;
+  }
+  if (ns > 1 && tid == 0) ml[(z * d.H + h) * 2] = M, ml[(z * d.H + h) * 2 + 1] = L;
+  if (ns == 1 || !combine) return;
+  combine_splits(d, 1, 0, h, 1, ns, part, ml, counters, ol, fz, lsum);
+}
+
 }  // namespace
 
 int mla_decode_heads(int64_t n) { return n == 1 ? 1 : 2; }
@@ -386,6 +538,49 @@ void launch_decode_attn(const Launch& L, const MlaDims& d, const DevPos* pos, in
   launch(L, decode_attn_kernel<HB>, grid, dim3(256), smem, d, pos, n, qa, q, cache_kv, cache_pe, part, ml, counters, ol);
 }
 }  // namespace
+
+namespace {
+constexpr size_t kPrepAttnMaxSmem = 100 * 1024;  // two blocks per SM
+size_t prep_attn_smem(const MlaDims& d, int32_t t) {
+  return size_t(prep_attn_floats(d)) * 4 + size_t(d.nope) * size_t(d.C) * (t == kFP8 ? 1 : 2);
+}
+template <int WT>
+void launch_prep_attn(const Launch& L, dim3 grid, size_t smem, const MlaDims& d, const DevPos* pos, const float* q,
+                      const float* kv, const float* nw, const float* rope, const DevLinear& wkv_b, float* ckv,
+                      float* cpe, float* part, float* ml, unsigned* counters, float* ol, bool combine) {
+  static const bool set = [] {
+    DSV3_CUDA_CHECK(cudaFuncSetAttribute(decode_attn_prep_kernel<WT, true>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                         int(kPrepAttnMaxSmem)));
+    return true;
+  }();
+  (void)set;
+  launch(L, decode_attn_prep_kernel<WT, true>, grid, dim3(256), smem, d, pos, q, kv, nw, rope, wkv_b, ckv, cpe, part,
+         ml, counters, ol, combine);
+}
+}  // namespace
+
+bool mla_decode_prep_ok(const MlaDims& d, const DevLinear& wkv_b, int64_t counters) {
+  if (wkv_b.t != kFP8 && wkv_b.t != kBF16) return false;
+  const int64_t ce = wkv_b.t == kFP8 ? 16 : 8;
+  return mla_decode_ok(d, 1, counters, 1) && d.R % 2 == 0 && d.C % ce == 0 && wkv_b.cols == d.C && vec_ok(wkv_b) &&
+         prep_attn_smem(d, wkv_b.t) <= kPrepAttnMaxSmem;
+}
+
+void mla_decode_attn_prep(const Launch& L, const MlaDims& d, const DevPos* pos, const float* q, const float* kv,
+                          const float* kv_norm_w, const float* rope, const DevLinear& wkv_b, float* cache_kv,
+                          float* cache_pe, int nsplit, float* part, float* ml, unsigned* counters, float* ol,
+                          bool combine) {
+  DSV3_CHECK(nsplit >= 1 && nsplit <= kDecMaxSplits, "mla_decode_attn_prep: ", nsplit, " position splits");
+  DSV3_CHECK(mla_decode_prep_ok(d, wkv_b, d.H), "mla_decode_attn_prep: shape or weight type it does not take");
+  const dim3 grid(unsigned(d.H), 1, unsigned(nsplit));
+  const size_t smem = prep_attn_smem(d, wkv_b.t);
+  if (wkv_b.t == kFP8)
+    launch_prep_attn<kFP8>(L, grid, smem, d, pos, q, kv, kv_norm_w, rope, wkv_b, cache_kv, cache_pe, part, ml,
+                           counters, ol, combine);
+  else
+    launch_prep_attn<kBF16>(L, grid, smem, d, pos, q, kv, kv_norm_w, rope, wkv_b, cache_kv, cache_pe, part, ml,
+                            counters, ol, combine);
+}
 
 void mla_decode_attn(const Launch& L, const MlaDims& d, const DevPos* pos, int64_t n, const float* qa, const float* q,
                      const float* cache_kv, const float* cache_pe, int nsplit, float* part, float* ml,
