@@ -91,19 +91,33 @@ __global__ void __launch_bounds__(kVoThreads, 2) vo_kernel(VoJob J) {
   cp_async_wait<0>();
   __syncthreads();
 
-  // a_b = wv_b · o_b: warp w the rows w, w + 8, ...; a lane its chunks lane, lane + 32, ... in
-  // order, then the warp's sum (the streaming GEMV's order).
+  // a_b = wv_b · o_b: warp w the rows w, w + 8, ..., kRows of them at a time (independent chains:
+  // their shared-memory loads and shuffles overlap); per row a lane its chunks lane, lane + 32, ...
+  // in order, then the warp's sum (the streaming GEMV's order, so gemv_splits' bits).
+  constexpr int kRows = 4;
   const float* xr[1] = {xs};
-  for (int64_t v = warp; v < V; v += kVoThreads / 32) {
-    const float* sr = WT == kFP8 ? J.wv.s + ((vrow0 + v) >> 7) * J.wv.lds : nullptr;
-    float acc = 0.f, unused = 0.f;
-    for (int64_t c = lane; c < cpr; c += 32) {
-      const uint4 w = wvs[v * cpr + c];
-      chunk_dot2<WT, 1, true>(w, w, false, WT == kFP8 ? __ldg(sr + ((J.wv.col0 + c * CE) >> 7)) : 1.f, 1.f, xr,
-                              c * CE, &acc, &unused);
+  for (int64_t v0 = warp; v0 < V; v0 += kRows * (kVoThreads / 32)) {
+    float acc[kRows];
+#pragma unroll
+    for (int q = 0; q < kRows; ++q) {
+      const int64_t v = v0 + q * (kVoThreads / 32);
+      float unused = 0.f;
+      acc[q] = 0.f;
+      if (v >= V) continue;
+      const float* sr = WT == kFP8 ? J.wv.s + ((vrow0 + v) >> 7) * J.wv.lds : nullptr;
+      for (int64_t c = lane; c < cpr; c += 32) {
+        const uint4 w = wvs[v * cpr + c];
+        chunk_dot2<WT, 1, true>(w, w, false, WT == kFP8 ? __ldg(sr + ((J.wv.col0 + c * CE) >> 7)) : 1.f, 1.f, xr,
+                                c * CE, &acc[q], &unused);
+      }
     }
-    acc = warp_sum(acc);
-    if (lane == 0) oh[v] = acc;
+#pragma unroll
+    for (int q = 0; q < kRows; ++q) acc[q] = warp_sum(acc[q]);
+    if (lane == 0) {
+#pragma unroll
+      for (int q = 0; q < kRows; ++q)
+        if (v0 + q * (kVoThreads / 32) < V) oh[v0 + q * (kVoThreads / 32)] = acc[q];
+    }
   }
   __syncthreads();
 
@@ -127,6 +141,7 @@ __global__ void __launch_bounds__(kVoThreads, 2) vo_kernel(VoJob J) {
   if (!last_to_arrive(J.counters + blockIdx.x, unsigned(J.heads))) return;
   for (int64_t r = tid; r < nr; r += kVoThreads) {
     float s = 0.f;
+#pragma unroll 4
     for (int h = 0; h < J.heads; ++h) s += __ldcg(J.part_y + h * D + r0 + r);
     J.y[r0 + r] = s;
   }
