@@ -359,6 +359,7 @@ __global__ void __launch_bounds__(256) decode_attn_warps_kernel(MlaDims d, const
 // Shared memory of decode_attn_prep_kernel, in floats before the weights: qs [C + R], ws [8][C],
 // fz [kDecMaxSplits], nrow [C + R], qn [nope] (rounded up to 16 bytes); then head h's nope rows of
 // wkv_b's latent columns [nope][C] as stored.
+constexpr int kPrepScales = 16;  // e4m3 scale blocks of one head's nope rows (nope <= 256, C <= 512: 3 x 5)
 __host__ __device__ inline int64_t prep_attn_floats(const MlaDims& d) {
   return (2 * int64_t(d.C + d.R) + 8 * int64_t(d.C) + kDecMaxSplits + d.nope + 3) / 4 * 4;
 }
@@ -383,6 +384,7 @@ __global__ void __launch_bounds__(256) decode_attn_prep_kernel(MlaDims d, const 
                                                                float* __restrict__ ol, bool combine) {
   extern __shared__ __align__(16) float dsm[];
   __shared__ float wm[8][1], wl[8][1], lsum[1], red[33];
+  __shared__ float sws[kPrepScales];  // e4m3: the block scales of head h's nope rows, [rows][cols]
   constexpr int CE = chunk_elems<WT>(), EB = elem_bytes<WT>();
   const int CR = d.C + d.R, h = int(blockIdx.x), tid = int(threadIdx.x), warp = tid >> 5, lane = tid & 31;
   float* qs = dsm;
@@ -397,7 +399,14 @@ __global__ void __launch_bounds__(256) decode_attn_prep_kernel(MlaDims d, const 
   const bool live = R.ts < R.len;
   const int64_t cpr = d.C / CE;  // 16-byte chunks per row of the latent columns
   const int64_t wrow = wkv_b.row0 + int64_t(h) * (d.nope + d.V);
-  if (live) {  // weights and earlier steps' cache rows first: no earlier kernel writes them
+  const int half = d.R / 2;
+  const bool own = R.te == R.len;  // this split holds the token's own position: it makes its cache row
+  // Before the wait (no earlier kernel writes these): head h's nope rows of wkv_b (cp.async) and
+  // their e4m3 scales, the earlier steps' first cache rows, the rope row of the token's position
+  // and the norm weights, so that one round of loads follows the wait.
+  const int64_t sr0 = wrow >> 7, sc0 = wkv_b.col0 >> 7, nsc = ((wkv_b.col0 + d.C - 1) >> 7) - sc0 + 1;
+  float rc = 0.f, rs = 0.f, nw0 = 0.f, nw1 = 0.f;
+  if (live) {
     if (PRE) R.preload();
     const char* wb = static_cast<const char*>(wkv_b.w);
     for (int64_t e = tid; e < d.nope * cpr; e += 256) {
@@ -405,35 +414,47 @@ __global__ void __launch_bounds__(256) decode_attn_prep_kernel(MlaDims d, const 
       cp_async16(smem_addr(wk + e), wb + ((wrow + k) * wkv_b.ld + wkv_b.col0) * EB + c * 16, true);
     }
     cp_async_commit();
+    if (WT == kFP8 && tid < (((wrow + d.nope - 1) >> 7) - sr0 + 1) * nsc)
+      sws[tid] = wkv_b.s[(sr0 + tid / nsc) * wkv_b.lds + sc0 + tid % nsc];
+    const float* cs = rope + int64_t(p.pos) * d.R;
+    if (tid < half) rc = cs[2 * tid], rs = cs[2 * tid + 1];
+    if (own) nw0 = tid < d.C ? nw[tid] : 0.f, nw1 = tid + 256 < d.C ? nw[tid + 256] : 0.f;
   }
   pdl_wait();
   if (!live) return;  // not one of this token's splits
   const int ns = R.splits();
-  const int half = d.R / 2;
-  const float* cs = rope + int64_t(p.pos) * d.R;
+  // The pair GEMV's outputs: head h's raw query and the token's kv row, one load each per thread.
   const float* qh = q + int64_t(h) * d.qk();
-  for (int e = tid; e < d.nope; e += 256) qn[e] = qh[e];
-  for (int j = tid; j < half; j += 256) {
-    const float a = qh[d.nope + 2 * j], b = qh[d.nope + 2 * j + 1], c = cs[2 * j], s = cs[2 * j + 1];
-    qs[d.C + 2 * j] = a * c - b * s;
-    qs[d.C + 2 * j + 1] = a * s + b * c;
+  const float qv = tid < d.nope ? qh[tid] : 0.f;
+  const float qa = tid < half ? qh[d.nope + 2 * tid] : 0.f, qb = tid < half ? qh[d.nope + 2 * tid + 1] : 0.f;
+  float kv0 = 0.f, kv1 = 0.f, ka = 0.f, kb = 0.f;
+  if (own) {
+    kv0 = tid < d.C ? kv[tid] : 0.f, kv1 = tid + 256 < d.C ? kv[tid + 256] : 0.f;
+    ka = tid < half ? kv[d.C + 2 * tid] : 0.f, kb = tid < half ? kv[d.C + 2 * tid + 1] : 0.f;
   }
-  if (R.te == R.len) {  // this split holds the token's own position: its cache row
+  if (tid < d.nope) qn[tid] = qv;
+  if (tid < half) qs[d.C + 2 * tid] = qa * rc - qb * rs, qs[d.C + 2 * tid + 1] = qa * rs + qb * rc;
+  if (own) {  // kv_norm and the key rope (prep_token's arithmetic)
     const int64_t row = int64_t(p.slot) * d.max_len + p.pos;
     float ss = 0.f;
-    for (int c = tid; c < d.C; c += 256) ss += kv[c] * kv[c];
+    if (tid < d.C) ss += kv0 * kv0;
+    if (tid + 256 < d.C) ss += kv1 * kv1;
     ss = block_sum(ss, red);
     const float r = 1.f / sqrtf(ss / float(d.C) + d.eps);
-    for (int c = tid; c < d.C; c += 256) {
-      const float v = kv[c] * r * nw[c];
-      nrow[c] = v;
-      if (h == 0) ckv[row * d.C + c] = v;
+    if (tid < d.C) {
+      const float v = kv0 * r * nw0;
+      nrow[tid] = v;
+      if (h == 0) ckv[row * d.C + tid] = v;
     }
-    for (int j = tid; j < half; j += 256) {
-      const float a = kv[d.C + 2 * j], b = kv[d.C + 2 * j + 1], c = cs[2 * j], s = cs[2 * j + 1];
-      const float x0 = a * c - b * s, x1 = a * s + b * c;
-      nrow[d.C + 2 * j] = x0, nrow[d.C + 2 * j + 1] = x1;
-      if (h == 0) cpe[row * d.R + 2 * j] = x0, cpe[row * d.R + 2 * j + 1] = x1;
+    if (tid + 256 < d.C) {
+      const float v = kv1 * r * nw1;
+      nrow[tid + 256] = v;
+      if (h == 0) ckv[row * d.C + tid + 256] = v;
+    }
+    if (tid < half) {
+      const float x0 = ka * rc - kb * rs, x1 = ka * rs + kb * rc;
+      nrow[d.C + 2 * tid] = x0, nrow[d.C + 2 * tid + 1] = x1;
+      if (h == 0) cpe[row * d.R + 2 * tid] = x0, cpe[row * d.R + 2 * tid + 1] = x1;
     }
   }
   cp_async_wait<0>();
@@ -456,7 +477,7 @@ __global__ void __launch_bounds__(256) decode_attn_prep_kernel(MlaDims d, const 
         if (c >= cpr) break;
         float wf[CE];
         decode<WT>(wk[k * cpr + c], wf);
-        const float sc = WT == kFP8 ? wkv_b.s[((wrow + k) >> 7) * wkv_b.lds + ((wkv_b.col0 + c * CE) >> 7)] : 1.f;
+        const float sc = WT == kFP8 ? sws[(((wrow + k) >> 7) - sr0) * nsc + ((wkv_b.col0 + c * CE) >> 7) - sc0] : 1.f;
 #pragma unroll
         for (int e = 0; e < CE; ++e) acc[v][e] = fmaf(qv, WT == kFP8 ? wf[e] * sc : wf[e], acc[v][e]);
       }
@@ -562,7 +583,8 @@ void launch_prep_attn(const Launch& L, dim3 grid, size_t smem, const MlaDims& d,
 bool mla_decode_prep_ok(const MlaDims& d, const DevLinear& wkv_b, int64_t counters) {
   if (wkv_b.t != kFP8 && wkv_b.t != kBF16) return false;
   const int64_t ce = wkv_b.t == kFP8 ? 16 : 8;
-  return mla_decode_ok(d, 1, counters, 1) && d.R % 2 == 0 && d.C % ce == 0 && wkv_b.cols == d.C && vec_ok(wkv_b) &&
+  return mla_decode_ok(d, 1, counters, 1) && d.R % 2 == 0 && d.R / 2 <= 256 && d.nope <= 256 && d.C % ce == 0 &&
+         wkv_b.cols == d.C && vec_ok(wkv_b) &&
          prep_attn_smem(d, wkv_b.t) <= kPrepAttnMaxSmem;
 }
 

@@ -23,6 +23,7 @@ namespace {
 constexpr int kVoThreads = 256;
 constexpr int kVoMaxC = 512;
 constexpr size_t kVoMaxSmem = 200 * 1024;
+constexpr int kVoScales = 32;  // e4m3 scale blocks of one head's value rows (V <= 512, C <= 512: 5 x 5 at most)
 
 // 16-byte chunks of wo a thread holds from before the wait.
 template <int WT>
@@ -45,6 +46,7 @@ __global__ void __launch_bounds__(kVoThreads, 2) vo_kernel(VoJob J) {
   extern __shared__ __align__(16) char smem[];
   __shared__ float fz[kDecMaxSplits];
   __shared__ float lsum;
+  __shared__ float svs[kVoScales];  // e4m3: the block scales of head b's value rows, [rows][cols]
   constexpr int CE = chunk_elems<WT>(), EB = elem_bytes<WT>(), NR = vo_regs<WT>();
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int64_t b = blockIdx.y, C = J.wv.cols, V = J.wv.rows, D = J.wo.rows;
@@ -64,14 +66,19 @@ __global__ void __launch_bounds__(kVoThreads, 2) vo_kernel(VoJob J) {
     cp_async16(smem_addr(wvs + i), wvb + ((vrow0 + v) * J.wv.ld + J.wv.col0) * EB + c * 16, true);
   }
   cp_async_commit();
+  // (e4m3) their scales too, and those of this thread's wo chunks: no scale load after the wait
+  const int64_t sr0 = vrow0 >> 7, sc0 = J.wv.col0 >> 7, nsc = ((J.wv.col0 + C - 1) >> 7) - sc0 + 1;
+  if (WT == kFP8 && tid < (((vrow0 + V - 1) >> 7) - sr0 + 1) * nsc)
+    svs[tid] = J.wv.s[(sr0 + tid / nsc) * J.wv.lds + sc0 + tid % nsc];
   const char* wob = static_cast<const char*>(J.wo.w);
   const int64_t oc0 = J.wo.col0 + b * V;  // head b's first column of wo
   uint4 wr[NR];
+  float wsc[NR];
 #pragma unroll
   for (int u = 0; u < NR; ++u) {  // chunk i of the block: row i / ncw, chunk i % ncw of it
-    const int64_t i = tid + int64_t(u) * kVoThreads, r = i >> lg;
-    wr[u] = r < nr ? ld_stream(wob + ((J.wo.row0 + r0 + r) * J.wo.ld + oc0) * EB + (i & (ncw - 1)) * 16)
-                   : make_uint4(0u, 0u, 0u, 0u);
+    const int64_t i = tid + int64_t(u) * kVoThreads, r = i >> lg, c = i & (ncw - 1);
+    wr[u] = r < nr ? ld_stream(wob + ((J.wo.row0 + r0 + r) * J.wo.ld + oc0) * EB + c * 16) : make_uint4(0u, 0u, 0u, 0u);
+    wsc[u] = WT == kFP8 && r < nr ? J.wo.s[((J.wo.row0 + r0 + r) >> 7) * J.wo.lds + ((oc0 + c * CE) >> 7)] : 1.f;
   }
 
   pdl_wait();
@@ -104,10 +111,10 @@ __global__ void __launch_bounds__(kVoThreads, 2) vo_kernel(VoJob J) {
       float unused = 0.f;
       acc[q] = 0.f;
       if (v >= V) continue;
-      const float* sr = WT == kFP8 ? J.wv.s + ((vrow0 + v) >> 7) * J.wv.lds : nullptr;
+      const int64_t srow = (((vrow0 + v) >> 7) - sr0) * nsc - sc0;  // + a column's scale block
       for (int64_t c = lane; c < cpr; c += 32) {
         const uint4 w = wvs[v * cpr + c];
-        chunk_dot2<WT, 1, true>(w, w, false, WT == kFP8 ? __ldg(sr + ((J.wv.col0 + c * CE) >> 7)) : 1.f, 1.f, xr,
+        chunk_dot2<WT, 1, true>(w, w, false, WT == kFP8 ? svs[srow + ((J.wv.col0 + c * CE) >> 7)] : 1.f, 1.f, xr,
                                 c * CE, &acc[q], &unused);
       }
     }
@@ -128,11 +135,7 @@ __global__ void __launch_bounds__(kVoThreads, 2) vo_kernel(VoJob J) {
     const int64_t i = tid + int64_t(u) * kVoThreads, r = i >> lg;
     const int c = int(i & (ncw - 1));
     float s = 0.f, unused = 0.f;
-    if (r < nr) {
-      const float sc =
-          WT == kFP8 ? __ldg(J.wo.s + ((J.wo.row0 + r0 + r) >> 7) * J.wo.lds + ((oc0 + c * CE) >> 7)) : 1.f;
-      chunk_dot2<WT, 1, true>(wr[u], wr[u], false, sc, 1.f, ar, c * CE, &s, &unused);
-    }
+    if (r < nr) chunk_dot2<WT, 1, true>(wr[u], wr[u], false, wsc[u], 1.f, ar, c * CE, &s, &unused);
     for (int o = ncw >> 1; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
     if (c == 0 && r < nr) J.part_y[b * D + r0 + r] = s;
   }
