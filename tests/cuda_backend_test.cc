@@ -972,6 +972,48 @@ TEST(CudaOps, DecodeAttentionMatchesFloat64) {
     }
 }
 
+// The decode prep with its loads in one round (prep_one_round) against the loop form, through
+// mla_prep_qabs at the 16B shape and the golden models' (4 heads, C 128, rope 16): q's rotated rope
+// part, both caches and the absorbed query, for 1 and 3 tokens in different slots and positions.
+TEST(CudaOps, PrepOneRoundMatchesPrep) {
+  REQUIRE_GPU();
+  auto cuda = make_cuda_backend(opts());
+  struct Shape {
+    int H, nope, R, C, V;
+  };
+  for (const Shape& S : {Shape{16, 128, 64, 512, 128}, Shape{4, 32, 16, 128, 32}}) {
+    cuda::MlaDims d;
+    d.H = S.H, d.nope = S.nope, d.R = S.R, d.C = S.C, d.V = S.V, d.max_len = 64, d.eps = 1e-6f;
+    const int64_t H = d.H, C = d.C, R = d.R, qk = d.qk(), rows = H * (d.nope + d.V);
+    HostLinear h = make_linear(DType::F8_E4M3, rows, C, 91);
+    const Linear dl = to_device(*cuda, h.lin);
+    const DevLinear w = dev_linear_of(dl, rows, C);
+    for (int64_t n : {1, 3}) {
+      std::vector<cuda::DevPos> tp;
+      for (int64_t i = 0; i < n; ++i) tp.push_back({int32_t(i), int32_t(7 * i + 5)});
+      const std::vector<float> q = randn(size_t(n * H * qk), 92), kv = randn(size_t(n * (C + R)), 93),
+                               nw = randn(size_t(C), 94), rope = randn(size_t(d.max_len * R), 95);
+      Dev dkv(*cuda, kv), dnw(*cuda, nw), drope(*cuda, rope), dpos(*cuda, pos_words(tp.data(), tp.size()));
+      std::vector<float> got[2][4];  // [one_round][q, cache_kv, cache_pe, qa]
+      for (int one = 0; one < 2; ++one) {
+        Dev dq(*cuda, q), ckv(*cuda, size_t(n * d.max_len * C)), cpe(*cuda, size_t(n * d.max_len * R)),
+            qa(*cuda, size_t(n * H * C));
+        cuda::Launch L;
+        cuda::mla_prep_qabs(L, d, reinterpret_cast<const cuda::DevPos*>(dpos.p), n, dq.p, dkv.p, dnw.p, drope.p,
+                            ckv.p, cpe.p, w, qa.p, true, one == 1);
+        ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+        got[one][0] = dq.get(), got[one][1] = ckv.get(), got[one][2] = cpe.get(), got[one][3] = qa.get();
+      }
+      const char* names[] = {"q", "latent cache", "rope cache", "absorbed q"};
+      for (int k = 0; k < 4; ++k) {
+        EXPECT_LE(max_abs_diff(got[1][k], got[0][k]), 1e-6) << names[k] << ", C " << C << ", n " << n;
+        EXPECT_NE(std::count(got[1][k].begin(), got[1][k].end(), 0.f), int64_t(got[1][k].size())) << names[k];
+      }
+      EXPECT_NE(got[1][0], q) << "q's rope part rotated";
+    }
+  }
+}
+
 // One token at position p of a single-token decode attention test: its position on the device
 // and the buffers for the attention's splits (mla_decode_splits, one head per block).
 struct OneTokenSplits {
@@ -1547,8 +1589,9 @@ TEST(CudaOps, DecodeAttentionWithPrepMatchesPrepThenAttention) {
 }
 
 // The one-token fusions inside the model (golden checkpoints, one slot): a prompt, then one-token
-// decode steps to position 47 (one split up to 16 positions, several after), with vo_fuse and
-// prep_in_attn each on and off, recorded as graphs, and both on and both off profiled (no graphs):
+// decode steps to position 47 (one split up to 16 positions, several after), with vo_fuse (and
+// prep_one_round) and prep_in_attn each on and off, recorded as graphs, and both on and both off
+// profiled (no graphs):
 // the same logits to float32 rounding, the same argmax, and in the profiled runs the fused
 // launches are what ran when on, never when off.
 TEST(CudaOps, OneTokenFusionsInTheModel) {
@@ -1559,6 +1602,7 @@ TEST(CudaOps, OneTokenFusionsInTheModel) {
       const bool vo = k == 1 || k == 3 || k == 4, prep = k == 2 || k == 3 || k == 4, profiled = k >= 4;
       CudaOptions o;
       o.vo_fuse = vo;
+      o.prep_one_round = vo;  // (where prep_in_attn is off, the prep block's one-round form with it)
       o.prep_in_attn = prep;
       o.profile = profiled;
       auto be = make_cuda_backend(o);

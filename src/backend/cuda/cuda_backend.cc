@@ -71,6 +71,7 @@ CudaOptions CudaOptions::from_env() {
   o.combine_in_gemv = env_flag("DSV3_CUDA_COMBINE_IN_GEMV", o.combine_in_gemv);
   o.vo_fuse = env_flag("DSV3_CUDA_VO", o.vo_fuse);
   o.prep_in_attn = env_flag("DSV3_CUDA_PREP_IN_ATTN", o.prep_in_attn);
+  o.prep_one_round = env_flag("DSV3_CUDA_PREP_ONE_ROUND", o.prep_one_round);
   return o;
 }
 
@@ -733,7 +734,7 @@ class CudaBackend final : public Backend {
         if (ko("prep") || prep_in) {
         } else if (nope <= 128) {
           cuda::mla_prep_qabs(L_, d, pos, n, q, kv, w.kv_norm.as<float>(), cs, cache.kv, cache.pe, wkv_b, qa,
-                              opt_.qabs_vec);
+                              opt_.qabs_vec, opt_.prep_one_round);
         } else {
           cuda::mla_prep(L_, d, false, pos, n, q, kv, w.kv_norm.as<float>(), cs, cache.kv, cache.pe, nullptr,
                          nullptr);

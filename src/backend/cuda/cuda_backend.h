@@ -76,6 +76,9 @@ struct CudaOptions {
                         // (cuda::vo: each block one head's partial of some wo rows, the last of a row
                         // group adding them; no kernel boundary between the two). Off until measured on
                         // the H200 (DSV3_CUDA_VO=1)
+  bool prep_one_round = false; // mla_prep_qabs's prep block with its loads in one round: the rope row and
+                               // norm weights before the PDL wait, q's rope part and the kv row at once
+                               // after it (same bits). Off until measured (DSV3_CUDA_PREP_ONE_ROUND=1)
   bool prep_in_attn = false; // one token's rope, kv_norm, cache write and q absorption done by its decode
                              // attention's blocks (mla_decode_attn_prep: each its own head's query, the
                              // split holding the token's position its cache row): one launch fewer. Off

@@ -351,9 +351,10 @@ void mla_prep(const Launch& L, const MlaDims& d, bool naive, const DevPos* pos, 
               float* latent, float* cache_k);
 // mla_prep (absorbed) and mla_qabs in one launch. vec: the absorption with 16-byte weight loads
 // where the layout allows (decode), else (and as its reference twin) the element-wise form.
+// prep_one_round: the prep's loads in one round (constants before the PDL wait), same bits.
 void mla_prep_qabs(const Launch& L, const MlaDims& d, const DevPos* pos, int64_t n, float* q, const float* kv,
                    const float* kv_norm_w, const float* rope, float* cache_kv, float* cache_pe, const DevLinear& wkv_b,
-                   float* qa, bool vec = true);
+                   float* qa, bool vec = true, bool prep_one_round = false);
 // qa[i, h, c] = sum_{d < nope} q[i, h, d] * wkv_b[h * (nope + V) + d, c]
 void mla_qabs(const Launch& L, const MlaDims& d, const DevLinear& wkv_b, const float* q, int64_t n, float* qa);
 // S[i, h, t] = (qa[i,h]·kv[t] + q_pe[i,h]·pe[t]) * scale for t <= pos_i (S rows max_len long).
