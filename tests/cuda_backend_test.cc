@@ -1578,7 +1578,8 @@ TEST(CudaOps, DecodeAttentionWithPrepMatchesPrepThenAttention) {
           ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
           const std::vector<float> got = olb.get();
           for (size_t e = 0; e < got.size(); ++e) ASSERT_TRUE(std::isfinite(got[e])) << what << ": unwritten at " << e;
-          EXPECT_LE(rel_l2(got.data(), want.data(), got.size()), 1e-6) << what << ", launch " << rep;
+          // (the absorption sums in another order: scores and weights move by float32 rounding)
+          EXPECT_LE(rel_l2(got.data(), want.data(), got.size()), 1e-5) << what << ", launch " << rep;
           EXPECT_LE(max_abs_diff(ckvb.get(), want_kv), 1e-6) << what << ": latent cache";
           EXPECT_LE(max_abs_diff(cpeb.get(), want_pe), 1e-6) << what << ": rope cache";
           EXPECT_EQ(dqb.get(), q) << what << ": q written";
