@@ -13,6 +13,10 @@
 # an untracked alt/src carried along), ALT2_NVFLAGS / ALT2_SRC (a third build, bench_alt2, in the same rounds), LT_ARGS (run dsv3_cublaslt_bench with them), CLI=1 (also build `dsv3` with the bench command) and CLI_ARGS (run it, e.g. "bench --device cuda ...").
 # NCU=<kernel regex> (Nsight Compute; NCU_ARGS, NCU_SKIP, NCU_COUNT, NCU_EXTRA, NCU_STALLS=1), PACK=0 (do not
 # pack $OUT into all.tgz when it holds more than 8 files).
+# ENV_AB="SET|SET|..." (each SET space-separated VAR=VALUE words, "-" for none; a first word @alt or
+# @alt2 runs that build's benchmark instead of the main one): the benchmark with ENV_ARGS (default:
+# one token's decode, FP8 and bf16) under each setting in turn, ENV_ROUNDS times (default 3), then
+# scripts/ab_table.py's table (runtime options and builds A/B in one table).
 set -u
 cd "$(dirname "$0")/.."
 ROOT=$PWD
@@ -133,6 +137,23 @@ if [ "$BENCH_ARGS" != none ]; then
       done
     done
   fi
+fi
+if [ -n "${ENV_AB:-}" ]; then  # e.g. ENV_AB="-|DSV3_CUDA_VO=1|DSV3_CUDA_VO=1 DSV3_CUDA_PREP_IN_ATTN=1|@alt"
+  EARGS=${ENV_ARGS:---dtypes fp8,bf16 --decode-only --batches 1 --variants default}
+  IFS='|' read -r -a SETS <<< "$ENV_AB"
+  for r in $(seq 1 ${ENV_ROUNDS:-3}); do
+    for set in "${SETS[@]}"; do
+      set=$(echo $set)  # (trimmed)
+      echo "== $(date +%T) setting $set round $r" >> "$OUT/env_ab.log"
+      vars=(); [ "$set" != - ] && read -r -a vars <<< "$set"
+      bin=bench
+      case "${vars[0]:-}" in @*) bin=bench_${vars[0]#@}; vars=("${vars[@]:1}") ;; esac
+      env ${vars[@]+"${vars[@]}"} timeout ${BENCH_TIMEOUT:-200} "$B/$bin" $EARGS >> "$OUT/env_ab.log" 2>&1
+    done
+  done
+  log "env A/B: $EARGS (min / median / max over ${ENV_ROUNDS:-3} rounds)"
+  if command -v python3 > /dev/null; then python3 scripts/ab_table.py "$OUT/env_ab.log" | tee -a "$OUT/summary.txt"
+  else grep -E "setting|tok/s" "$OUT/env_ab.log" | tee -a "$OUT/summary.txt"; fi
 fi
 if [ -n "${LT_ARGS:-}" ]; then  # e.g. LT_ARGS="--reps 50": dsv3_cublaslt_bench
   log "cublaslt bench $LT_ARGS"
