@@ -45,9 +45,8 @@ __device__ void prep_token(const PrepArgs& P, int64_t i, float* red) {
   for (int e = threadIdx.x; e < d.H * half; e += blockDim.x) {
     const int h = e / half, j = e % half;
     float* x = q + (i * d.H + h) * qk + d.nope + 2 * j;
-    const float a = x[0], b = x[1], c = cs[2 * j], s = cs[2 * j + 1];
-    x[0] = a * c - b * s;
-    x[1] = a * s + b * c;
+    const float2 qr = rope_pair(x[0], x[1], cs[2 * j], cs[2 * j + 1]);
+    x[0] = qr.x, x[1] = qr.y;
   }
   float ss = 0.f;
   for (int c = threadIdx.x; c < d.C; c += blockDim.x) ss += kvi[c] * kvi[c];
@@ -56,8 +55,8 @@ __device__ void prep_token(const PrepArgs& P, int64_t i, float* red) {
   float* dst = naive ? latent + i * d.C : cache_kv + row * d.C;
   for (int c = threadIdx.x; c < d.C; c += blockDim.x) dst[c] = kvi[c] * r * nw[c];
   for (int j = threadIdx.x; j < half; j += blockDim.x) {
-    const float a = kvi[d.C + 2 * j], b = kvi[d.C + 2 * j + 1], c = cs[2 * j], s = cs[2 * j + 1];
-    const float x0 = a * c - b * s, x1 = a * s + b * c;
+    const float2 kr = rope_pair(kvi[d.C + 2 * j], kvi[d.C + 2 * j + 1], cs[2 * j], cs[2 * j + 1]);
+    const float x0 = kr.x, x1 = kr.y;
     if (!naive) {
       cache_pe[row * d.R + 2 * j] = x0;
       cache_pe[row * d.R + 2 * j + 1] = x1;
@@ -119,9 +118,8 @@ struct PrepRound {
       const int e = tid + 256 * u;
       if (e >= d.H * half) break;
       float* x = P.q + (i * d.H + e / half) * qk + d.nope + 2 * (e % half);
-      const float a = qa[u], b = qb[u], c = qc[u], s = qsn[u];
-      x[0] = a * c - b * s;
-      x[1] = a * s + b * c;
+      const float2 qr = rope_pair(qa[u], qb[u], qc[u], qsn[u]);
+      x[0] = qr.x, x[1] = qr.y;
     }
     float ss = 0.f;
 #pragma unroll
@@ -133,10 +131,9 @@ struct PrepRound {
     for (int u = 0; u < kC; ++u)
       if (tid + 256 * u < d.C) P.cache_kv[row * d.C + tid + 256 * u] = kvv[u] * r * nwv[u];
     if (tid < half) {
-      const float a = ka, b = kb, c = kc, s = ks;
-      const float x0 = a * c - b * s, x1 = a * s + b * c;
-      P.cache_pe[row * d.R + 2 * tid] = x0;
-      P.cache_pe[row * d.R + 2 * tid + 1] = x1;
+      const float2 k = rope_pair(ka, kb, kc, ks);
+      P.cache_pe[row * d.R + 2 * tid] = k.x;
+      P.cache_pe[row * d.R + 2 * tid + 1] = k.y;
     }
   }
 };

@@ -404,18 +404,12 @@ __global__ void __launch_bounds__(256) decode_attn_prep_kernel(MlaDims d, const 
   // Before the wait (no earlier kernel writes these): head h's nope rows of wkv_b (cp.async) and
   // their e4m3 scales, the earlier steps' first cache rows, the rope row of the token's position
   // and the norm weights, so that one round of loads follows the wait.
-  const int64_t sr0 = wrow >> 7, sc0 = wkv_b.col0 >> 7, nsc = ((wkv_b.col0 + d.C - 1) >> 7) - sc0 + 1;
+  const ScaleTile wsc(sws, wkv_b, wrow - wkv_b.row0, d.nope, WT == kFP8 && live);
   float rc = 0.f, rs = 0.f, nw0 = 0.f, nw1 = 0.f;
   if (live) {
     if (PRE) R.preload();
-    const char* wb = static_cast<const char*>(wkv_b.w);
-    for (int64_t e = tid; e < d.nope * cpr; e += 256) {
-      const int64_t k = e / cpr, c = e - k * cpr;
-      cp_async16(smem_addr(wk + e), wb + ((wrow + k) * wkv_b.ld + wkv_b.col0) * EB + c * 16, true);
-    }
+    copy_rows_async<EB>(wkv_b, wrow - wkv_b.row0, d.nope, wk);
     cp_async_commit();
-    if (WT == kFP8 && tid < (((wrow + d.nope - 1) >> 7) - sr0 + 1) * nsc)
-      sws[tid] = wkv_b.s[(sr0 + tid / nsc) * wkv_b.lds + sc0 + tid % nsc];
     const float* cs = rope + int64_t(p.pos) * d.R;
     if (tid < half) rc = cs[2 * tid], rs = cs[2 * tid + 1];
     if (own) nw0 = tid < d.C ? nw[tid] : 0.f, nw1 = tid + 256 < d.C ? nw[tid + 256] : 0.f;
@@ -433,7 +427,10 @@ __global__ void __launch_bounds__(256) decode_attn_prep_kernel(MlaDims d, const 
     ka = tid < half ? kv[d.C + 2 * tid] : 0.f, kb = tid < half ? kv[d.C + 2 * tid + 1] : 0.f;
   }
   if (tid < d.nope) qn[tid] = qv;
-  if (tid < half) qs[d.C + 2 * tid] = qa * rc - qb * rs, qs[d.C + 2 * tid + 1] = qa * rs + qb * rc;
+  if (tid < half) {
+    const float2 qr = rope_pair(qa, qb, rc, rs);
+    qs[d.C + 2 * tid] = qr.x, qs[d.C + 2 * tid + 1] = qr.y;
+  }
   if (own) {  // kv_norm and the key rope (prep_token's arithmetic)
     const int64_t row = int64_t(p.slot) * d.max_len + p.pos;
     float ss = 0.f;
@@ -452,9 +449,9 @@ __global__ void __launch_bounds__(256) decode_attn_prep_kernel(MlaDims d, const 
       if (h == 0) ckv[row * d.C + tid + 256] = v;
     }
     if (tid < half) {
-      const float x0 = ka * rc - kb * rs, x1 = ka * rs + kb * rc;
-      nrow[d.C + 2 * tid] = x0, nrow[d.C + 2 * tid + 1] = x1;
-      if (h == 0) cpe[row * d.R + 2 * tid] = x0, cpe[row * d.R + 2 * tid + 1] = x1;
+      const float2 k = rope_pair(ka, kb, rc, rs);
+      nrow[d.C + 2 * tid] = k.x, nrow[d.C + 2 * tid + 1] = k.y;
+      if (h == 0) cpe[row * d.R + 2 * tid] = k.x, cpe[row * d.R + 2 * tid + 1] = k.y;
     }
   }
   cp_async_wait<0>();
@@ -477,7 +474,7 @@ __global__ void __launch_bounds__(256) decode_attn_prep_kernel(MlaDims d, const 
         if (c >= cpr) break;
         float wf[CE];
         decode<WT>(wk[k * cpr + c], wf);
-        const float sc = WT == kFP8 ? sws[(((wrow + k) >> 7) - sr0) * nsc + ((wkv_b.col0 + c * CE) >> 7) - sc0] : 1.f;
+        const float sc = WT == kFP8 ? wsc.at(wrow + k, wkv_b.col0 + c * CE) : 1.f;
 #pragma unroll
         for (int e = 0; e < CE; ++e) acc[v][e] = fmaf(qv, WT == kFP8 ? wf[e] * sc : wf[e], acc[v][e]);
       }

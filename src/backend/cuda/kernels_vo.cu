@@ -60,16 +60,10 @@ __global__ void __launch_bounds__(kVoThreads, 2) vo_kernel(VoJob J) {
 
   // Weights first (no earlier kernel writes them).
   const int64_t vrow0 = J.wv.row0 + b * J.wrows;
-  const char* wvb = static_cast<const char*>(J.wv.w);
-  for (int64_t i = tid; i < V * cpr; i += kVoThreads) {
-    const int64_t v = i / cpr, c = i - v * cpr;
-    cp_async16(smem_addr(wvs + i), wvb + ((vrow0 + v) * J.wv.ld + J.wv.col0) * EB + c * 16, true);
-  }
+  copy_rows_async<EB>(J.wv, b * J.wrows, V, wvs);
   cp_async_commit();
   // (e4m3) their scales too, and those of this thread's wo chunks: no scale load after the wait
-  const int64_t sr0 = vrow0 >> 7, sc0 = J.wv.col0 >> 7, nsc = ((J.wv.col0 + C - 1) >> 7) - sc0 + 1;
-  if (WT == kFP8 && tid < (((vrow0 + V - 1) >> 7) - sr0 + 1) * nsc)
-    svs[tid] = J.wv.s[(sr0 + tid / nsc) * J.wv.lds + sc0 + tid % nsc];
+  const ScaleTile vsc(svs, J.wv, b * J.wrows, V, WT == kFP8);
   const char* wob = static_cast<const char*>(J.wo.w);
   const int64_t oc0 = J.wo.col0 + b * V;  // head b's first column of wo
   uint4 wr[NR];
@@ -111,10 +105,9 @@ __global__ void __launch_bounds__(kVoThreads, 2) vo_kernel(VoJob J) {
       float unused = 0.f;
       acc[q] = 0.f;
       if (v >= V) continue;
-      const int64_t srow = (((vrow0 + v) >> 7) - sr0) * nsc - sc0;  // + a column's scale block
       for (int64_t c = lane; c < cpr; c += 32) {
         const uint4 w = wvs[v * cpr + c];
-        chunk_dot2<WT, 1, true>(w, w, false, WT == kFP8 ? svs[srow + ((J.wv.col0 + c * CE) >> 7)] : 1.f, 1.f, xr,
+        chunk_dot2<WT, 1, true>(w, w, false, WT == kFP8 ? vsc.at(vrow0 + v, J.wv.col0 + c * CE) : 1.f, 1.f, xr,
                                 c * CE, &acc[q], &unused);
       }
     }
@@ -197,10 +190,11 @@ void vo(const Launch& L, const DevLinear& wv, int64_t wrows, const DevLinear& wo
   DSV3_CHECK(vo_ok(wv, wo, heads) && nsplit >= 1 && nsplit <= kDecMaxSplits, "vo: ", wv.rows, "x", wv.cols,
              " value rows, wo ", wo.rows, "x", wo.cols, ", ", heads, " heads, ", nsplit, " splits");
   VoJob J;
-  J.wv = wv, J.wo = wo, J.wrows = wrows, J.heads = heads, J.rg = int(vo_rows(wv, wo, heads));
+  const int64_t rg = vo_rows(wv, wo, heads);
+  J.wv = wv, J.wo = wo, J.wrows = wrows, J.heads = heads, J.rg = int(rg);
   J.pos = pos, J.nsplit = nsplit, J.part = part, J.ml = ml, J.ol = ol;
   J.part_y = part_y, J.counters = counters, J.y = y;
-  const dim3 grid(unsigned(vo_groups(wv, wo, heads)), unsigned(heads));
+  const dim3 grid(cdiv(wo.rows, rg), unsigned(heads));
   const size_t smem = vo_smem(wv);
   if (wv.t == kFP8) launch_vo<kFP8>(L, grid, smem, J);
   else launch_vo<kBF16>(L, grid, smem, J);
