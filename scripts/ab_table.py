@@ -12,7 +12,7 @@ import re
 import statistics
 import sys
 
-HEAD = re.compile(r"^== .*setting (.+) round (\d+)\s*$")
+HEAD = re.compile(r"== .*setting (.+) round (\d+)\s*$")  # (searched: a killed run leaves no newline)
 RATE = re.compile(r"^(.*?)\s+([0-9]+(?:\.[0-9]+)?) tok/s")
 
 
@@ -20,7 +20,7 @@ def parse(lines):
     """{key: {setting: [tok/s, ...]}} and the settings in order of first appearance."""
     table, settings, cur = {}, [], None
     for line in lines:
-        m = HEAD.match(line.rstrip("\n"))
+        m = HEAD.search(line.rstrip("\n"))
         if m:
             cur = m.group(1).strip()
             if cur not in settings:

@@ -144,11 +144,12 @@ if [ -n "${ENV_AB:-}" ]; then  # e.g. ENV_AB="-|DSV3_CUDA_VO=1|DSV3_CUDA_VO=1 DS
   for r in $(seq 1 ${ENV_ROUNDS:-3}); do
     for set in "${SETS[@]}"; do
       set=$(echo $set)  # (trimmed)
-      echo "== $(date +%T) setting $set round $r" >> "$OUT/env_ab.log"
+      printf '\n== %s setting %s round %s\n' "$(date +%T)" "$set" "$r" >> "$OUT/env_ab.log"  # (own line)
       vars=(); [ "$set" != - ] && read -r -a vars <<< "$set"
       bin=bench
       case "${vars[0]:-}" in @*) bin=bench_${vars[0]#@}; vars=("${vars[@]:1}") ;; esac
       env ${vars[@]+"${vars[@]}"} timeout ${BENCH_TIMEOUT:-200} "$B/$bin" $EARGS >> "$OUT/env_ab.log" 2>&1
+      rc=$?; [ $rc = 0 ] || { printf '\n' >> "$OUT/env_ab.log"; log "env A/B: setting '$set' round $r exited $rc"; }
     done
   done
   log "env A/B: $EARGS (min / median / max over ${ENV_ROUNDS:-3} rounds)"

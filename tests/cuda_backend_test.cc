@@ -159,9 +159,17 @@ std::vector<float> pos_words(const cuda::DevPos* p, size_t n) {
   return std::vector<float>(w, w + 2 * n);
 }
 
+// (infinite where either side holds a NaN the other does not, or the sizes differ)
 double max_abs_diff(const std::vector<float>& a, const std::vector<float>& b) {
+  if (a.size() != b.size()) return INFINITY;
   double m = 0;
-  for (size_t i = 0; i < a.size(); ++i) m = std::max(m, std::fabs(double(a[i]) - double(b[i])));
+  for (size_t i = 0; i < a.size(); ++i) {
+    if (std::isnan(a[i]) || std::isnan(b[i])) {
+      if (std::isnan(a[i]) != std::isnan(b[i])) return INFINITY;
+      continue;
+    }
+    m = std::max(m, std::fabs(double(a[i]) - double(b[i])));
+  }
   return m;
 }
 
@@ -1006,7 +1014,7 @@ TEST(CudaOps, PrepOneRoundMatchesPrep) {
       }
       const char* names[] = {"q", "latent cache", "rope cache", "absorbed q"};
       for (int k = 0; k < 4; ++k) {
-        EXPECT_LE(max_abs_diff(got[1][k], got[0][k]), 1e-6) << names[k] << ", C " << C << ", n " << n;
+        EXPECT_EQ(max_abs_diff(got[1][k], got[0][k]), 0.0) << names[k] << ", C " << C << ", n " << n << ": not the same bits";
         EXPECT_NE(std::count(got[1][k].begin(), got[1][k].end(), 0.f), int64_t(got[1][k].size())) << names[k];
       }
       EXPECT_NE(got[1][0], q) << "q's rope part rotated";
@@ -1515,6 +1523,26 @@ TEST(CudaOps, ValueAbsorptionIntoWoMatchesRef) {
                  again.p);
         ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
         EXPECT_EQ(again.get(), goth) << what << ": a second launch";
+        // As the model runs it: the attention and then vo under PDL on a stream, twice with no sync
+        // between, after the splits' buffers were filled with NaN (vo must read none of them before
+        // its wait, and its row groups' counters must be back at zero for the second).
+        {
+          cudaStream_t st = nullptr;
+          ASSERT_EQ(cudaStreamCreate(&st), cudaSuccess);
+          cuda::Launch P;
+          P.stream = st, P.pdl = true;
+          Dev y2(*cuda, std::vector<float>(size_t(D), std::nanf("")));
+          for (int rep = 0; rep < 2; ++rep) {
+            for (Dev* b : {&part, &ml, &ol2}) ASSERT_EQ(cudaMemsetAsync(b->p, 0xff, b->n * 4, st), cudaSuccess);
+            cuda::mla_decode_attn(P, d, pp, 1, dqa.p, dq.p, dkv.p, dpe.p, ns, part.p, ml.p, counters, ol2.p, true, 1,
+                                  false);
+            cuda::vo(P, wv, KV, wo, int(H), pp, ns, part.p, ml.p, ol2.p, party.p,
+                     reinterpret_cast<unsigned*>(vcnt.p), y2.p);
+          }
+          ASSERT_EQ(cudaStreamSynchronize(st), cudaSuccess);
+          ASSERT_EQ(cudaStreamDestroy(st), cudaSuccess);
+          EXPECT_EQ(y2.get(), goth) << what << ": under PDL";
+        }
         // The reference ops on the GPU attention's latent: each head's value rows, then wo.
         std::vector<float> full(static_cast<size_t>(H * KV)), av(static_cast<size_t>(H * V)), oracle(static_cast<size_t>(D));
         for (int64_t b = 0; b < H; ++b) {
@@ -1570,6 +1598,7 @@ TEST(CudaOps, DecodeAttentionWithPrepMatchesPrepThenAttention) {
                               true, 1);
         ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
         const std::vector<float> want = ola.get(), want_kv = ckva.get(), want_pe = cpea.get();
+        std::vector<float> got_plain;  // the fused launch's output, for the PDL run below
         for (int rep = 0; rep < 2; ++rep) {
           Dev dqb(*cuda, q), ckvb(*cuda, hkv), cpeb(*cuda, hpe);
           Dev olb(*cuda, std::vector<float>(size_t(H * C), std::nanf("")));
@@ -1583,6 +1612,56 @@ TEST(CudaOps, DecodeAttentionWithPrepMatchesPrepThenAttention) {
           EXPECT_LE(max_abs_diff(ckvb.get(), want_kv), 1e-6) << what << ": latent cache";
           EXPECT_LE(max_abs_diff(cpeb.get(), want_pe), 1e-6) << what << ": rope cache";
           EXPECT_EQ(dqb.get(), q) << what << ": q written";
+          got_plain = got;
+        }
+        // Under PDL on a stream, right after kernels that write its inputs (q and kv each made from
+        // two halves by add, which lets its dependents start at once): nothing it reads before its
+        // wait may be what they write, so the same bits as above.
+        {
+          cudaStream_t st = nullptr;
+          ASSERT_EQ(cudaStreamCreate(&st), cudaSuccess);
+          cuda::Launch P;
+          P.stream = st, P.pdl = true;
+          std::vector<float> hq(q), hk(kv);
+          for (float& x : hq) x *= 0.5f;
+          for (float& x : hk) x *= 0.5f;
+          Dev dqc(*cuda, hq), dqh(*cuda, hq), dkc(*cuda, hk), dkh(*cuda, hk), ckvc(*cuda, hkv), cpec(*cuda, hpe);
+          Dev olc(*cuda, std::vector<float>(size_t(H * C), std::nanf("")));
+          cuda::add(P, dqc.p, dqh.p, H * qk);
+          cuda::add(P, dkc.p, dkh.p, C + R);
+          cuda::mla_decode_attn_prep(P, d, k.pp(), dqc.p, dkc.p, dnw.p, drope.p, w, ckvc.p, cpec.p, k.ns, k.part.p,
+                                     k.ml.p, counters, olc.p);
+          ASSERT_EQ(cudaStreamSynchronize(st), cudaSuccess);
+          ASSERT_EQ(cudaStreamDestroy(st), cudaSuccess);
+          EXPECT_EQ(max_abs_diff(olc.get(), got_plain), 0.0) << what << ": under PDL";
+          EXPECT_LE(max_abs_diff(ckvc.get(), want_kv), 1e-6) << what << ": under PDL, latent cache";
+        }
+        // The model's form with several splits: the attention leaves them to the value absorption
+        // (combine = false), which gemv_splits does over wkv_b's value rows; after either attention.
+        {
+          DevLinear wv = w;
+          wv.row0 = d.nope, wv.rows = d.V;
+          cuda::GemvShift sh;
+          sh.xs = C, sh.ys = d.V, sh.wrows = d.nope + d.V;
+          ASSERT_TRUE(cuda::gemv_splits_ok(L, wv)) << what;
+          std::vector<float> av[2];
+          for (int fused = 0; fused < 2; ++fused) {
+            Dev dq2(*cuda, q), ck2(*cuda, hkv), cp2(*cuda, hpe), qa2(*cuda, size_t(H * C)), a2(*cuda, size_t(H * d.V));
+            Dev ol2(*cuda, std::vector<float>(size_t(H * C), k.ns > 1 ? std::nanf("") : 0.f));  // one split: written
+            if (fused) {
+              cuda::mla_decode_attn_prep(L, d, k.pp(), dq2.p, dkv.p, dnw.p, drope.p, w, ck2.p, cp2.p, k.ns, k.part.p,
+                                         k.ml.p, counters, ol2.p, false);
+            } else {
+              cuda::mla_prep_qabs(L, d, k.pp(), 1, dq2.p, dkv.p, dnw.p, drope.p, ck2.p, cp2.p, w, qa2.p, true);
+              cuda::mla_decode_attn(L, d, k.pp(), 1, qa2.p, dq2.p, ck2.p, cp2.p, k.ns, k.part.p, k.ml.p, counters,
+                                    ol2.p, true, 1, false);
+            }
+            cuda::gemv_splits(L, wv, int(H), sh, k.pp(), k.ns, k.part.p, k.ml.p, ol2.p, a2.p);
+            ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+            av[fused] = a2.get();
+          }
+          for (size_t e = 0; e < av[1].size(); ++e) ASSERT_TRUE(std::isfinite(av[1][e])) << what << ": NaN at " << e;
+          EXPECT_LE(rel_l2(av[1].data(), av[0].data(), av[0].size()), 1e-5) << what << ": splits to gemv_splits";
         }
       }
     }
@@ -1592,13 +1671,13 @@ TEST(CudaOps, DecodeAttentionWithPrepMatchesPrepThenAttention) {
 // The one-token fusions inside the model (golden checkpoints, one slot): a prompt, then one-token
 // decode steps to position 47 (one split up to 16 positions, several after), with vo_fuse (and
 // prep_one_round) and prep_in_attn each on and off, recorded as graphs, and both on and both off
-// profiled (no graphs):
-// the same logits to float32 rounding, the same argmax, and in the profiled runs the fused
-// launches are what ran when on, never when off.
+// profiled (no graphs), every run fed run 0's tokens: the same logits to float32 rounding, the
+// same argmax, and in the profiled runs the fused launches are what ran when on, never when off.
 TEST(CudaOps, OneTokenFusionsInTheModel) {
   REQUIRE_GPU();
   for (const char* c : {"v3_fp8", "v2lite_bf16"}) {
     std::vector<std::vector<float>> logits[6];
+    std::vector<int32_t> fed;  // run 0's tokens, fed to every run (a near tie cannot fork the others)
     for (int k = 0; k < 6; ++k) {
       const bool vo = k == 1 || k == 3 || k == 4, prep = k == 2 || k == 3 || k == 4, profiled = k >= 4;
       CudaOptions o;
@@ -1617,7 +1696,8 @@ TEST(CudaOps, OneTokenFusionsInTheModel) {
       if (profiled) cuda::profile_report(b, true);
       model.forward(tok.data(), 1, int(tok.size()), 0, out.data());
       for (int pos = int(tok.size()); pos < 48; ++pos) {
-        const int32_t next = int32_t(argmax(out.data(), V));
+        if (k == 0) fed.push_back(int32_t(argmax(out.data(), V)));
+        const int32_t next = fed[size_t(pos) - tok.size()];
         model.forward(&next, 1, 1, pos, out.data());
         logits[k].push_back(out);
       }

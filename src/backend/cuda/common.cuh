@@ -6,6 +6,8 @@
 #include <cuda_fp8.h>
 #include <cuda_runtime.h>
 
+#include <mutex>
+#include <unordered_map>
 #include <utility>
 
 #include "backend/cuda/kernels.h"
@@ -245,9 +247,10 @@ __device__ __forceinline__ void split_bf16(float x, __nv_bfloat16* hi, __nv_bflo
 __device__ __forceinline__ float silu(float x) { return x / (1.f + expf(-x)); }
 
 // RoPE on one pair: (a, b) rotated by the angle whose cosine is c and sine s (every prep form's
-// arithmetic, so they give the same bits).
+// arithmetic, so they give the same bits). The contractions are written out: left to ptxas, which
+// product of a*c - b*s it fuses may differ between the inlined copies.
 __device__ __forceinline__ float2 rope_pair(float a, float b, float c, float s) {
-  return make_float2(a * c - b * s, a * s + b * c);
+  return make_float2(fmaf(a, c, -(b * s)), fmaf(a, s, b * c));
 }
 
 template <int WT>
@@ -302,5 +305,18 @@ void launch(const Launch& L, void (*kernel)(KArgs...), dim3 grid, dim3 block, si
 }
 
 inline unsigned cdiv(int64_t a, int64_t b) { return unsigned((a + b - 1) / b); }
+
+// Kernels above 48 KB of dynamic shared memory must say so once (per size reached).
+template <typename F>
+void allow_smem(F* kernel, size_t bytes) {
+  if (bytes <= 48 * 1024) return;
+  static std::mutex mu;
+  static std::unordered_map<const void*, size_t> set;
+  std::lock_guard<std::mutex> lock(mu);
+  size_t& have = set[reinterpret_cast<const void*>(kernel)];
+  if (have >= bytes) return;
+  DSV3_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(bytes)));
+  have = bytes;
+}
 
 }  // namespace dsv3::cuda

@@ -58,6 +58,9 @@ struct Launch {
 
 // Multiprocessors of the current device (queried once; 132 if the query fails).
 int device_sms();
+// Dynamic shared memory one block may opt into on the current device (queried once; 227 KB if the
+// query fails).
+size_t device_smem_optin();
 
 // ---- measurement (trace.cu): with kernels built with DSV3_TRACE=1, every kernel's block 0 records
 // its wait (common.cuh); otherwise these do nothing.

@@ -522,19 +522,6 @@ size_t smem_bytes(int32_t t, int64_t K, int m, int ks, bool fused) {
   return act + (ks > 1 ? size_t(kTW) * (fused ? 8 : 4) * 32 * sizeof(float) : 0);
 }
 
-// Kernels above 48 KB of dynamic shared memory must say so once (per size reached).
-template <typename F>
-void allow_smem(F* kernel, size_t bytes) {
-  if (bytes <= 48 * 1024) return;
-  static std::mutex mu;
-  static std::unordered_map<const void*, size_t> set;
-  std::lock_guard<std::mutex> lock(mu);
-  size_t& have = set[reinterpret_cast<const void*>(kernel)];
-  if (have >= bytes) return;
-  DSV3_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(bytes)));
-  have = bytes;
-}
-
 // Blocks per SM that the K split aims for (DSV3_CUDA_TCV_WAVES, a tuning knob; default 1).
 int target_blocks_per_sm() {
   static const int v = [] {

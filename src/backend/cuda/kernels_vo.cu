@@ -42,7 +42,7 @@ struct VoJob {
 };
 
 template <int WT>
-__global__ void __launch_bounds__(kVoThreads, 2) vo_kernel(VoJob J) {
+__global__ void __launch_bounds__(kVoThreads, WT == kFP8 ? 2 : 1) vo_kernel(VoJob J) {  // (bf16 at 16B: one block per SM by its shared memory)
   extern __shared__ __align__(16) char smem[];
   __shared__ float fz[kDecMaxSplits];
   __shared__ float lsum;
@@ -158,14 +158,10 @@ int64_t vo_rows(const DevLinear& wv, const DevLinear& wo, int heads) {
   return (D + g - 1) / g;
 }
 
-// The launch, past 48 KB of dynamic shared memory (the attribute set once per kernel).
+// The launch, past 48 KB of dynamic shared memory where it needs to be (allow_smem).
 template <int WT>
 void launch_vo(const Launch& L, dim3 grid, size_t smem, const VoJob& J) {
-  static const bool set = [] {
-    DSV3_CUDA_CHECK(cudaFuncSetAttribute(vo_kernel<WT>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(kVoMaxSmem)));
-    return true;
-  }();
-  (void)set;
+  allow_smem(vo_kernel<WT>, smem);
   launch(L, vo_kernel<WT>, grid, dim3(kVoThreads), smem, J);
 }
 
@@ -181,7 +177,7 @@ bool vo_ok(const DevLinear& wv, const DevLinear& wo, int heads) {
   if (C < 1 || C > kVoMaxC || C % ce != 0 || V < 1 || V % ce != 0) return false;
   const int64_t ncw = V / ce;
   if (ncw > 32 || (ncw & (ncw - 1)) != 0 || wo.cols != heads * V) return false;
-  if (!vec_ok(wv) || !vec_ok(wo) || vo_smem(wv) > kVoMaxSmem) return false;
+  if (!vec_ok(wv) || !vec_ok(wo) || vo_smem(wv) > std::min(kVoMaxSmem, device_smem_optin())) return false;
   return vo_groups(wv, wo, heads) <= kVoMaxGroups;
 }
 
