@@ -1338,6 +1338,29 @@ TEST(CudaOps, DeviceSamplingMatchesHostSampling) {
 
 // Options out of range are refused with the option's name, before any device is touched (no GPU
 // needed); the defaults pass.
+// More device memory than the GPU has: an error in the user's terms (how much was asked, how much
+// is free, what to change), and the backend still works afterwards (the error is not sticky).
+TEST(CudaOps, OutOfDeviceMemoryIsSaidClearly) {
+  REQUIRE_GPU();
+  auto cuda = make_cuda_backend(opts());
+  try {
+    cuda->alloc(size_t(1) << 40);  // 4 TiB
+    ADD_FAILURE() << "4 TiB allocated";
+  } catch (const Error& e) {
+    const std::string m = e.what();
+    EXPECT_NE(m.find("out of device memory"), std::string::npos) << m;
+    EXPECT_NE(m.find("4096 GiB asked"), std::string::npos) << m;
+    EXPECT_NE(m.find("GiB free of"), std::string::npos) << m;
+    EXPECT_NE(m.find("--kv-cache-gb"), std::string::npos) << m;
+  }
+  const std::vector<float> x = randn(1000, 5), y0 = randn(1000, 6);
+  Dev dx(*cuda, x), dy(*cuda, y0);
+  cuda->add(dy.p, dx.p, 1000);
+  std::vector<float> want(y0);
+  for (size_t i = 0; i < want.size(); ++i) want[i] += x[i];
+  EXPECT_EQ(dy.get(), want) << "the backend after the failed allocation";
+}
+
 TEST(CudaOptions, OutOfRangeOptionsAreRefused) {
   EXPECT_NO_THROW(CudaOptions().validate());
   // o refused by validate, naming var, and by the backend before it touches a device

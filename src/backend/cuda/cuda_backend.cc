@@ -105,6 +105,23 @@ void cublas_check(cublasStatus_t s, const char* what, const char* file, int line
 }
 #define CB(call) cublas_check((call), #call, __FILE__, __LINE__)
 
+// cudaMalloc of `bytes` for `what`; out of device memory is said in the user's terms: what it
+// was for, how much it asked, how much the device has free, and what to change.
+void* device_malloc(size_t bytes, const char* what, const char* hint) {
+  void* p = nullptr;
+  const cudaError_t e = cudaMalloc(&p, std::max<size_t>(bytes, 1));
+  if (e == cudaErrorMemoryAllocation) {
+    cudaGetLastError();  // (not sticky: clear it)
+    size_t free_b = 0, total_b = 0;
+    cudaMemGetInfo(&free_b, &total_b);
+    auto gib = [](size_t b) { return double(b) / double(1ull << 30); };
+    throw Error(str("CUDA: out of device memory for ", what, ": ", gib(bytes), " GiB asked, ", gib(free_b),
+                    " GiB free of ", gib(total_b), hint[0] ? "; " : "", hint));
+  }
+  DSV3_CUDA_CHECK(e);
+  return p;
+}
+
 int32_t wtype_of(DType t) {
   switch (t) {
     case DType::BF16: return cuda::kBF16;
@@ -273,8 +290,8 @@ class CudaBackend final : public Backend {
   float* alloc(size_t n) override {
     no_capture("alloc");
     flush_add();
-    void* p = nullptr;
-    CK(cudaMalloc(&p, std::max<size_t>(n, 1) * 4));
+    void* p = device_malloc(std::max<size_t>(n, 1) * 4, "a device buffer (the KV cache is one per layer)",
+                            "lower --kv-cache-gb or the batch, or use --backend cpu");
     CK(cudaMemsetAsync(p, 0, std::max<size_t>(n, 1) * 4, stream_));
     CK(cudaStreamSynchronize(stream_));
     return static_cast<float*>(p);
@@ -972,8 +989,8 @@ class CudaBackend final : public Backend {
 
   void* device_bytes(size_t bytes) {
     no_capture("weight allocation");
-    void* p = nullptr;
-    CK(cudaMalloc(&p, std::max<size_t>(bytes, 1)));
+    void* p = device_malloc(bytes, "the model's weights",
+                            "this backend runs on one GPU: the checkpoint must fit it (or use --backend cpu)");
     owned_.push_back(p);
     return p;
   }
