@@ -1582,8 +1582,9 @@ TEST(CudaOps, ValueAbsorptionIntoWoMatchesRef) {
 // One token's decode attention with its MLA prep in the same launch (mla_decode_attn_prep, the
 // prep_in_attn option) against mla_prep_qabs then mla_decode_attn on the same inputs: the
 // attention output, the caches (the token's row written, nothing else), q left as it was; e4m3
-// at the 16B shape (bf16 there does not fit: refused), e4m3 and bf16 at the golden models' shape;
-// positions 0 (one split) to the cache's end; launched twice (its counters reset themselves).
+// at the 16B shape and bf16 there at one block per SM (refused at two), e4m3 and bf16 at the
+// golden models' shape; positions 0 (one split) to the cache's end; launched twice (its counters
+// reset themselves), under PDL, and with its splits left to the value absorption.
 TEST(CudaOps, DecodeAttentionWithPrepMatchesPrepThenAttention) {
   REQUIRE_GPU();
   auto cuda = make_cuda_backend(opts());
@@ -1603,12 +1604,10 @@ TEST(CudaOps, DecodeAttentionWithPrepMatchesPrepThenAttention) {
       HostLinear hw = make_linear(t, rows, C, 87);
       const Linear dl = to_device(*cuda, hw.lin);
       const DevLinear w = dev_linear_of(dl, rows, C);
-      const bool big = S.C == 512;
-      if (big && t == DType::BF16) {  // 128 KB of weights per block
-        EXPECT_FALSE(cuda::mla_decode_prep_ok(d, w, 4096));
-        continue;
-      }
-      ASSERT_TRUE(cuda::mla_decode_prep_ok(d, w, 4096)) << dtype_name(t) << " C " << C;
+      // bf16 at the 16B shape: 128 KB of weights per block, one block per SM (prep_in_attn_wide)
+      const bool wide = S.C == 512 && t == DType::BF16;
+      EXPECT_EQ(cuda::mla_decode_prep_ok(d, w, 4096), !wide) << dtype_name(t) << " C " << C;
+      ASSERT_TRUE(cuda::mla_decode_prep_ok(d, w, 4096, true)) << dtype_name(t) << " C " << C;
       for (int32_t p : {0, 15, 16, 40, int32_t(ML - 1)}) {
         OneTokenSplits k(*cuda, d, p);
         const std::string what = str(dtype_name(t), " C ", C, " position ", p, ", ", k.ns, " splits");

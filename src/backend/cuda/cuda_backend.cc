@@ -71,6 +71,7 @@ CudaOptions CudaOptions::from_env() {
   o.combine_in_gemv = env_flag("DSV3_CUDA_COMBINE_IN_GEMV", o.combine_in_gemv);
   o.vo_fuse = env_flag("DSV3_CUDA_VO", o.vo_fuse);
   o.prep_in_attn = env_flag("DSV3_CUDA_PREP_IN_ATTN", o.prep_in_attn);
+  o.prep_in_attn_wide = env_flag("DSV3_CUDA_PREP_IN_ATTN_WIDE", o.prep_in_attn_wide);
   o.prep_one_round = env_flag("DSV3_CUDA_PREP_ONE_ROUND", o.prep_one_round);
   return o;
 }
@@ -744,8 +745,9 @@ class CudaBackend final : public Backend {
                                   !ko("attn") && !ko("out") && !(use_tc(n) && tc_takes(wv)) &&
                                   cuda::gemv_splits_ok(L_, wv);
       // One token on one head per block: its prep may be done by the attention's blocks.
+      const bool wide = opt_.prep_in_attn_wide && H * ns <= cuda::device_sms();  // (one wave at one block per SM)
       const bool prep_in = one && n == 1 && hb == 1 && opt_.prep_in_attn && opt_.decode_attn_warps && !ko("prep") &&
-                           !ko("attn") && cuda::mla_decode_prep_ok(d, wkv_b, kAttnCounters);
+                           !ko("attn") && cuda::mla_decode_prep_ok(d, wkv_b, kAttnCounters, wide);
       {
         float* qa = f32(kLat, size_t(n * H * C));
         if (ko("prep") || prep_in) {

@@ -392,8 +392,9 @@ void mla_decode_attn(const Launch& L, const MlaDims& d, const DevPos* pos, int64
 // and the split holding the token's position makes its cache row (kv_norm_w, the key rope) and
 // uses it from shared memory, head 0's block writing it to cache_kv / cache_pe. Otherwise as
 // mla_decode_attn with n = 1, hb = 1, warps. mla_decode_prep_ok: bf16 or e4m3 wkv_b in 16-byte
-// rows, and its shared memory within two blocks per SM (e4m3 at the 16B shape; bf16 there not).
-bool mla_decode_prep_ok(const MlaDims& d, const DevLinear& wkv_b, int64_t counters);
+// rows, and its shared memory within two blocks per SM (e4m3 at the 16B shape; bf16 there not),
+// or with `wide` within one block per SM (bf16 at the 16B shape: 150 KB).
+bool mla_decode_prep_ok(const MlaDims& d, const DevLinear& wkv_b, int64_t counters, bool wide = false);
 void mla_decode_attn_prep(const Launch& L, const MlaDims& d, const DevPos* pos, const float* q, const float* kv,
                           const float* kv_norm_w, const float* rope, const DevLinear& wkv_b, float* cache_kv,
                           float* cache_pe, int nsplit, float* part, float* ml, unsigned* counters, float* ol,

@@ -572,12 +572,12 @@ void launch_prep_attn(const Launch& L, dim3 grid, size_t smem, const MlaDims& d,
 }
 }  // namespace
 
-bool mla_decode_prep_ok(const MlaDims& d, const DevLinear& wkv_b, int64_t counters) {
+bool mla_decode_prep_ok(const MlaDims& d, const DevLinear& wkv_b, int64_t counters, bool wide) {
   if (wkv_b.t != kFP8 && wkv_b.t != kBF16) return false;
   const int64_t ce = wkv_b.t == kFP8 ? 16 : 8;
   return mla_decode_ok(d, 1, counters, 1) && d.R % 2 == 0 && d.R / 2 <= 256 && d.nope <= 256 && d.C % ce == 0 &&
          wkv_b.cols == d.C && wkv_b.rows >= d.H * (d.nope + d.V) && vec_ok(wkv_b) &&
-         prep_attn_smem(d, wkv_b.t) <= kPrepAttnMaxSmem;
+         prep_attn_smem(d, wkv_b.t) <= (wide ? device_smem_optin() : kPrepAttnMaxSmem);
 }
 
 void mla_decode_attn_prep(const Launch& L, const MlaDims& d, const DevPos* pos, const float* q, const float* kv,
@@ -585,8 +585,8 @@ void mla_decode_attn_prep(const Launch& L, const MlaDims& d, const DevPos* pos, 
                           float* cache_pe, int nsplit, float* part, float* ml, unsigned* counters, float* ol,
                           bool combine) {
   DSV3_CHECK(nsplit >= 1 && nsplit <= kDecMaxSplits, "mla_decode_attn_prep: ", nsplit, " position splits");
-  // (the counters' capacity is the caller's to check: mla_decode_prep_ok)
-  DSV3_CHECK(mla_decode_prep_ok(d, wkv_b, d.H), "mla_decode_attn_prep: shape or weight type it does not take");
+  // (the counters' capacity and the blocks per SM are the caller's to choose: mla_decode_prep_ok)
+  DSV3_CHECK(mla_decode_prep_ok(d, wkv_b, d.H, true), "mla_decode_attn_prep: shape or weight type it does not take");
   const dim3 grid(unsigned(d.H), 1, unsigned(nsplit));
   const size_t smem = prep_attn_smem(d, wkv_b.t);
   if (wkv_b.t == kFP8)
