@@ -18,6 +18,7 @@
 #include <cmath>
 #include <cstdio>
 #include <cstring>
+#include <functional>
 #include <random>
 
 #include "backend/cuda/cuda_backend.h"
@@ -30,6 +31,7 @@
 #include "model/gate.h"
 #include "model/model.h"
 #include "model/rope.h"
+#include "model/synth.h"
 #include "runtime/generate.h"
 #include "runtime/sampler.h"
 
@@ -157,6 +159,15 @@ TensorView to_device(Backend& be, const TensorView& t) {
 std::vector<float> pos_words(const cuda::DevPos* p, size_t n) {
   const float* w = reinterpret_cast<const float*>(p);
   return std::vector<float>(w, w + 2 * n);
+}
+
+// Whether the device has programmatic dependent launch (compute capability 9 and later), as the
+// backend decides.
+bool pdl_capable() {
+  int dev = 0, major = 0;
+  cudaGetDevice(&dev);
+  cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev);
+  return major >= 9;
 }
 
 // (infinite where either side holds a NaN the other does not, or the sizes differ)
@@ -1336,8 +1347,6 @@ TEST(CudaOps, DeviceSamplingMatchesHostSampling) {
   }
 }
 
-// Options out of range are refused with the option's name, before any device is touched (no GPU
-// needed); the defaults pass.
 // More device memory than the GPU has: an error in the user's terms (how much was asked, how much
 // is free, what to change), and the backend still works afterwards (the error is not sticky).
 TEST(CudaOps, OutOfDeviceMemoryIsSaidClearly) {
@@ -1361,6 +1370,8 @@ TEST(CudaOps, OutOfDeviceMemoryIsSaidClearly) {
   EXPECT_EQ(dy.get(), want) << "the backend after the failed allocation";
 }
 
+// Options out of range are refused with the option's name, before any device is touched (no GPU
+// needed); the defaults pass.
 TEST(CudaOptions, OutOfRangeOptionsAreRefused) {
   EXPECT_NO_THROW(CudaOptions().validate());
   // o refused by validate, naming var, and by the backend before it touches a device
@@ -1553,7 +1564,7 @@ TEST(CudaOps, ValueAbsorptionIntoWoMatchesRef) {
           cudaStream_t st = nullptr;
           ASSERT_EQ(cudaStreamCreate(&st), cudaSuccess);
           cuda::Launch P;
-          P.stream = st, P.pdl = true;
+          P.stream = st, P.pdl = pdl_capable();
           Dev y2(*cuda, std::vector<float>(size_t(D), std::nanf("")));
           for (int rep = 0; rep < 2; ++rep) {
             for (Dev* b : {&part, &ml, &ol2}) ASSERT_EQ(cudaMemsetAsync(b->p, 0xff, b->n * 4, st), cudaSuccess);
@@ -1643,7 +1654,7 @@ TEST(CudaOps, DecodeAttentionWithPrepMatchesPrepThenAttention) {
           cudaStream_t st = nullptr;
           ASSERT_EQ(cudaStreamCreate(&st), cudaSuccess);
           cuda::Launch P;
-          P.stream = st, P.pdl = true;
+          P.stream = st, P.pdl = pdl_capable();
           std::vector<float> hq(q), hk(kv);
           for (float& x : hq) x *= 0.5f;
           for (float& x : hk) x *= 0.5f;
@@ -1657,6 +1668,7 @@ TEST(CudaOps, DecodeAttentionWithPrepMatchesPrepThenAttention) {
           ASSERT_EQ(cudaStreamDestroy(st), cudaSuccess);
           EXPECT_EQ(max_abs_diff(olc.get(), got_plain), 0.0) << what << ": under PDL";
           EXPECT_LE(max_abs_diff(ckvc.get(), want_kv), 1e-6) << what << ": under PDL, latent cache";
+          EXPECT_LE(max_abs_diff(cpec.get(), want_pe), 1e-6) << what << ": under PDL, rope cache";
         }
         // The model's form with several splits: the attention leaves them to the value absorption
         // (combine = false), which gemv_splits does over wkv_b's value rows; after either attention.
@@ -1669,7 +1681,7 @@ TEST(CudaOps, DecodeAttentionWithPrepMatchesPrepThenAttention) {
           std::vector<float> av[2];
           for (int fused = 0; fused < 2; ++fused) {
             Dev dq2(*cuda, q), ck2(*cuda, hkv), cp2(*cuda, hpe), qa2(*cuda, size_t(H * C)), a2(*cuda, size_t(H * d.V));
-            Dev ol2(*cuda, std::vector<float>(size_t(H * C), k.ns > 1 ? std::nanf("") : 0.f));  // one split: written
+            Dev ol2(*cuda, std::vector<float>(size_t(H * C), std::nanf("")));  // (written where one split is live)
             if (fused) {
               cuda::mla_decode_attn_prep(L, d, k.pp(), dq2.p, dkv.p, dnw.p, drope.p, w, ck2.p, cp2.p, k.ns, k.part.p,
                                          k.ml.p, counters, ol2.p, false);
@@ -1736,10 +1748,59 @@ TEST(CudaOps, OneTokenFusionsInTheModel) {
         const std::vector<float>& f = logits[k][s];
         const std::string what = str(c, " run ", k, " step ", s);
         EXPECT_LE(rel_l2(f.data(), a.data(), a.size()), 1e-5) << what;
-        EXPECT_EQ(argmax(f.data(), int(f.size())), argmax(a.data(), int(a.size()))) << what;
+        // the argmax where run 0's two best are apart by more than float32 rounding of the step
+        std::vector<float> top(a);
+        std::partial_sort(top.begin(), top.begin() + 2, top.end(), std::greater<float>());
+        if (top[0] - top[1] > 1e-4f * std::max(std::fabs(top[0]), 1.f)) {
+          EXPECT_EQ(argmax(f.data(), int(f.size())), argmax(a.data(), int(a.size()))) << what;
+        }
       }
     }
   }
+}
+
+// prep_in_attn_wide inside the model at the shape it is for: the 16B shape in bf16 (two layers,
+// random device weights), where the fused attention does not fit two blocks per SM. A prompt,
+// then one-token steps: with prep_in_attn alone the fused launch must not run; with the wide
+// option it runs (with its position splits capped) and the logits equal the default's to float32
+// rounding, recorded as graphs and profiled.
+TEST(CudaOps, PrepInAttnWideInTheModel) {
+  REQUIRE_GPU();
+  const ModelArgs a = synth_args("16B", "bf16", 2);
+  std::vector<std::vector<float>> logits[4];
+  for (int k = 0; k < 4; ++k) {  // default; prep_in_attn alone (profiled); wide; wide profiled
+    CudaOptions o;
+    o.prep_in_attn = k >= 1;
+    o.prep_in_attn_wide = k >= 2;
+    o.profile = k == 1 || k == 3;
+    auto be = make_cuda_backend(o);
+    Backend& b = *be;
+    ModelWeights w = cuda::random_weights(b, a, 1234);
+    ModelOptions mo;
+    mo.max_slots = 1, mo.max_len = 512;  // 16 position splits at one token (8 when capped)
+    Model model(a, std::move(w), std::move(be), mo);
+    const int V = a.vocab_size;
+    std::vector<int32_t> tok;
+    for (int i = 0; i < 20; ++i) tok.push_back(int32_t((i * 7919 + 13) % V));
+    std::vector<float> out(static_cast<size_t>(V));
+    if (o.profile) cuda::profile_report(b, true);
+    model.forward(tok.data(), 1, int(tok.size()), 0, out.data());
+    for (int pos = int(tok.size()); pos < 60; ++pos) {
+      const int32_t next = int32_t((pos * 104729 + 7) % V);  // the same tokens in every run
+      model.forward(&next, 1, 1, pos, out.data());
+      logits[k].push_back(out);
+    }
+    if (o.profile) {
+      const std::string rep = cuda::profile_report(b, true);
+      EXPECT_EQ(rep.find("mla.prep+attn1") != std::string::npos, k == 3) << "run " << k << "\n" << rep;
+    }
+  }
+  for (int k = 1; k < 4; ++k)
+    for (size_t s = 0; s < logits[0].size(); ++s) {
+      const std::vector<float>& r = logits[0][s];
+      const std::vector<float>& f = logits[k][s];
+      EXPECT_LE(rel_l2(f.data(), r.data(), r.size()), 1e-5) << "run " << k << " step " << s;
+    }
 }
 
 // ---- the whole model against the golden float32 logits

@@ -737,17 +737,22 @@ class CudaBackend final : public Backend {
       sh.xs = C, sh.ys = V, sh.wrows = nope + V;
       const int hb = opt_.decode_heads ? opt_.decode_heads : cuda::mla_decode_heads(n);
       const bool one = opt_.decode_attn && n <= 16 && cuda::mla_decode_ok(d, n, kAttnCounters, hb);
-      const int ns = one ? cuda::mla_decode_splits(d, n, opt_.decode_splits, hb) : cuda::mla_splits(d, n);
+      // One token on one head per block: its prep may be done by the attention's blocks, where they
+      // fit two per SM, or (prep_in_attn_wide) one per SM with as few splits as fill the SMs once.
+      const bool prep_try = one && n == 1 && hb == 1 && opt_.prep_in_attn && opt_.decode_attn_warps && !ko("prep") &&
+                            !ko("attn");
+      const bool wide = prep_try && opt_.prep_in_attn_wide && !cuda::mla_decode_prep_ok(d, wkv_b, kAttnCounters) &&
+                        cuda::mla_decode_prep_ok(d, wkv_b, kAttnCounters, true);
+      int cap = opt_.decode_splits;
+      if (wide) cap = std::max(1, std::min(cap > 0 ? cap : 1 << 30, int(cuda::device_sms() / H)));
+      const int ns = one ? cuda::mla_decode_splits(d, n, cap, hb) : cuda::mla_splits(d, n);
       float* part = ns > 1 ? f32(kPart, size_t(ns * n * H * C)) : nullptr;
       float* ml = ns > 1 ? f32(kMl, size_t(ns * n * H * 2)) : nullptr;
       // One token: the value absorption combines the attention's splits.
       const bool splits_to_vabs = one && opt_.vabs_splits && n == 1 && ns > 1 && opt_.decode_attn_warps &&
                                   !ko("attn") && !ko("out") && !(use_tc(n) && tc_takes(wv)) &&
                                   cuda::gemv_splits_ok(L_, wv);
-      // One token on one head per block: its prep may be done by the attention's blocks.
-      const bool wide = opt_.prep_in_attn_wide && H * ns <= cuda::device_sms();  // (one wave at one block per SM)
-      const bool prep_in = one && n == 1 && hb == 1 && opt_.prep_in_attn && opt_.decode_attn_warps && !ko("prep") &&
-                           !ko("attn") && cuda::mla_decode_prep_ok(d, wkv_b, kAttnCounters, wide);
+      const bool prep_in = prep_try && cuda::mla_decode_prep_ok(d, wkv_b, kAttnCounters, wide);
       {
         float* qa = f32(kLat, size_t(n * H * C));
         if (ko("prep") || prep_in) {

@@ -84,8 +84,9 @@ struct CudaOptions {
                              // split holding the token's position its cache row): one launch fewer. Off
                              // until measured on the H200 (DSV3_CUDA_PREP_IN_ATTN=1)
   bool prep_in_attn_wide = false; // with prep_in_attn, where its shared memory does not fit two blocks per SM
-                                  // (bf16 at the 16B shape), one block per SM when the attention's blocks
-                                  // still fit the SMs at once (DSV3_CUDA_PREP_IN_ATTN_WIDE=1)
+                                  // (bf16 at the 16B shape), one block per SM, with the position splits
+                                  // capped so its blocks fill the SMs once (8 at 16 heads on 132 SMs; 16
+                                  // otherwise). Off until measured (DSV3_CUDA_PREP_IN_ATTN_WIDE=1)
   bool fp8_wgmma = true; // FP8 weights in the pipelined kernel's wgmma form (widened to bf16 in shared memory)
                          // for products of tc_min+ tokens; off: the WMMA GEMM (DSV3_CUDA_FP8_WGMMA=0)
   // A measurement aid, never for results: decode-step kernel groups not launched at all
