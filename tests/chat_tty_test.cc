@@ -64,6 +64,21 @@ class ChatTty : public ::testing::Test {
     }
     return false;
   }
+  // Waits until chat shows its input prompt ("> " as the screen's last line that is not blank):
+  // keys typed before it would be echoed by the terminal ahead of the prompt.
+  bool wait_prompt(double seconds = 30) {
+    auto until = std::chrono::steady_clock::now() + std::chrono::milliseconds(int(seconds * 1000));
+    while (std::chrono::steady_clock::now() < until) {
+      const std::string s = screen();
+      const size_t end = s.find_last_not_of(" \n\r\t");
+      if (end != std::string::npos) {
+        const size_t nl = s.rfind('\n', end), start = nl == std::string::npos ? 0 : nl + 1;
+        if (s.compare(start, end + 1 - start, ">") == 0) return true;
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    }
+    return false;
+  }
   std::string dir_, session_;
 };
 
@@ -77,6 +92,7 @@ TEST_F(ChatTty, TypeStreamClearInterruptExit) {
   // Each question gets a long answer; once its text is streaming in (visible before the answer is
   // done), Ctrl-C stops it and the prompt returns with the speed line.
   auto ask_and_interrupt = [&](const std::string& text, int turn) {
+    ASSERT_TRUE(wait_prompt()) << "no input prompt before '" << text << "':\n" << screen();
     keys("'" + text + "' Enter");
     bool streaming = false;
     auto until = std::chrono::steady_clock::now() + std::chrono::seconds(60);
@@ -99,6 +115,7 @@ TEST_F(ChatTty, TypeStreamClearInterruptExit) {
   };
   ask_and_interrupt("Hello there", 1);
   ask_and_interrupt("And again", 2);  // the history makes this prompt longer
+  ASSERT_TRUE(wait_prompt()) << screen();
   keys("/clear Enter");
   ASSERT_TRUE(wait_for("(history cleared)", 1, 30)) << screen();
   ask_and_interrupt("Fresh start", 3);
@@ -111,6 +128,7 @@ TEST_F(ChatTty, TypeStreamClearInterruptExit) {
   EXPECT_LT(sizes[0], sizes[1]) << s;
   EXPECT_LT(sizes[2], sizes[1]) << s;
 
+  ASSERT_TRUE(wait_prompt()) << screen();
   keys("/exit Enter");
   ASSERT_TRUE(wait_for("CHAT-EXITED-0", 1, 30)) << screen();
 }
