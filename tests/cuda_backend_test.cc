@@ -161,14 +161,25 @@ std::vector<float> pos_words(const cuda::DevPos* p, size_t n) {
   return std::vector<float>(w, w + 2 * n);
 }
 
-// Whether the device has programmatic dependent launch (compute capability 9 and later), as the
-// backend decides.
-bool pdl_capable() {
-  int dev = 0, major = 0;
-  cudaGetDevice(&dev);
-  cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev);
-  return major >= 9;
-}
+// A stream of the test's own and a Launch on it with programmatic dependent launch where the
+// device has it (compute capability 9 and later, as the backend decides): kernels run as in the
+// model's steps. The stream goes with the object (also when an assertion leaves early).
+struct PdlStream {
+  cudaStream_t st = nullptr;
+  cuda::Launch L;
+  PdlStream() {
+    int dev = 0, major = 0;
+    cudaGetDevice(&dev);
+    cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev);
+    if (cudaStreamCreate(&st) != cudaSuccess) st = nullptr;
+    L.stream = st, L.pdl = major >= 9;
+  }
+  ~PdlStream() {
+    if (st) cudaStreamDestroy(st);
+  }
+  PdlStream(const PdlStream&) = delete;
+  PdlStream& operator=(const PdlStream&) = delete;
+};
 
 // (infinite where either side holds a NaN the other does not, or the sizes differ)
 double max_abs_diff(const std::vector<float>& a, const std::vector<float>& b) {
@@ -1561,20 +1572,17 @@ TEST(CudaOps, ValueAbsorptionIntoWoMatchesRef) {
         // between, after the splits' buffers were filled with NaN (vo must read none of them before
         // its wait, and its row groups' counters must be back at zero for the second).
         {
-          cudaStream_t st = nullptr;
-          ASSERT_EQ(cudaStreamCreate(&st), cudaSuccess);
-          cuda::Launch P;
-          P.stream = st, P.pdl = pdl_capable();
+          PdlStream S;
+          ASSERT_NE(S.st, nullptr);
           Dev y2(*cuda, std::vector<float>(size_t(D), std::nanf("")));
           for (int rep = 0; rep < 2; ++rep) {
-            for (Dev* b : {&part, &ml, &ol2}) ASSERT_EQ(cudaMemsetAsync(b->p, 0xff, b->n * 4, st), cudaSuccess);
-            cuda::mla_decode_attn(P, d, pp, 1, dqa.p, dq.p, dkv.p, dpe.p, ns, part.p, ml.p, counters, ol2.p, true, 1,
-                                  false);
-            cuda::vo(P, wv, KV, wo, int(H), pp, ns, part.p, ml.p, ol2.p, party.p,
+            for (Dev* b : {&part, &ml, &ol2}) ASSERT_EQ(cudaMemsetAsync(b->p, 0xff, b->n * 4, S.st), cudaSuccess);
+            cuda::mla_decode_attn(S.L, d, pp, 1, dqa.p, dq.p, dkv.p, dpe.p, ns, part.p, ml.p, counters, ol2.p, true,
+                                  1, false);
+            cuda::vo(S.L, wv, KV, wo, int(H), pp, ns, part.p, ml.p, ol2.p, party.p,
                      reinterpret_cast<unsigned*>(vcnt.p), y2.p);
           }
-          ASSERT_EQ(cudaStreamSynchronize(st), cudaSuccess);
-          ASSERT_EQ(cudaStreamDestroy(st), cudaSuccess);
+          ASSERT_EQ(cudaStreamSynchronize(S.st), cudaSuccess);
           EXPECT_EQ(y2.get(), goth) << what << ": under PDL";
         }
         // The reference ops on the GPU attention's latent: each head's value rows, then wo.
@@ -1651,21 +1659,18 @@ TEST(CudaOps, DecodeAttentionWithPrepMatchesPrepThenAttention) {
         // two halves by add, which lets its dependents start at once): nothing it reads before its
         // wait may be what they write, so the same bits as above.
         {
-          cudaStream_t st = nullptr;
-          ASSERT_EQ(cudaStreamCreate(&st), cudaSuccess);
-          cuda::Launch P;
-          P.stream = st, P.pdl = pdl_capable();
+          PdlStream S;
+          ASSERT_NE(S.st, nullptr);
           std::vector<float> hq(q), hk(kv);
           for (float& x : hq) x *= 0.5f;
           for (float& x : hk) x *= 0.5f;
           Dev dqc(*cuda, hq), dqh(*cuda, hq), dkc(*cuda, hk), dkh(*cuda, hk), ckvc(*cuda, hkv), cpec(*cuda, hpe);
           Dev olc(*cuda, std::vector<float>(size_t(H * C), std::nanf("")));
-          cuda::add(P, dqc.p, dqh.p, H * qk);
-          cuda::add(P, dkc.p, dkh.p, C + R);
-          cuda::mla_decode_attn_prep(P, d, k.pp(), dqc.p, dkc.p, dnw.p, drope.p, w, ckvc.p, cpec.p, k.ns, k.part.p,
+          cuda::add(S.L, dqc.p, dqh.p, H * qk);
+          cuda::add(S.L, dkc.p, dkh.p, C + R);
+          cuda::mla_decode_attn_prep(S.L, d, k.pp(), dqc.p, dkc.p, dnw.p, drope.p, w, ckvc.p, cpec.p, k.ns, k.part.p,
                                      k.ml.p, counters, olc.p);
-          ASSERT_EQ(cudaStreamSynchronize(st), cudaSuccess);
-          ASSERT_EQ(cudaStreamDestroy(st), cudaSuccess);
+          ASSERT_EQ(cudaStreamSynchronize(S.st), cudaSuccess);
           EXPECT_EQ(max_abs_diff(olc.get(), got_plain), 0.0) << what << ": under PDL";
           EXPECT_LE(max_abs_diff(ckvc.get(), want_kv), 1e-6) << what << ": under PDL, latent cache";
           EXPECT_LE(max_abs_diff(cpec.get(), want_pe), 1e-6) << what << ": under PDL, rope cache";

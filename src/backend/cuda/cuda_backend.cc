@@ -741,8 +741,9 @@ class CudaBackend final : public Backend {
       // fit two per SM, or (prep_in_attn_wide) one per SM with as few splits as fill the SMs once.
       const bool prep_try = one && n == 1 && hb == 1 && opt_.prep_in_attn && opt_.decode_attn_warps && !ko("prep") &&
                             !ko("attn");
-      const bool wide = prep_try && opt_.prep_in_attn_wide && !cuda::mla_decode_prep_ok(d, wkv_b, kAttnCounters) &&
-                        cuda::mla_decode_prep_ok(d, wkv_b, kAttnCounters, true);
+      const bool two = prep_try && cuda::mla_decode_prep_ok(d, wkv_b, kAttnCounters);
+      const bool wide = prep_try && !two && opt_.prep_in_attn_wide && cuda::mla_decode_prep_ok(d, wkv_b, kAttnCounters, true);
+      const bool prep_in = two || wide;
       int cap = opt_.decode_splits;
       if (wide) cap = std::max(1, std::min(cap > 0 ? cap : 1 << 30, int(cuda::device_sms() / H)));
       const int ns = one ? cuda::mla_decode_splits(d, n, cap, hb) : cuda::mla_splits(d, n);
@@ -752,7 +753,6 @@ class CudaBackend final : public Backend {
       const bool splits_to_vabs = one && opt_.vabs_splits && n == 1 && ns > 1 && opt_.decode_attn_warps &&
                                   !ko("attn") && !ko("out") && !(use_tc(n) && tc_takes(wv)) &&
                                   cuda::gemv_splits_ok(L_, wv);
-      const bool prep_in = prep_try && cuda::mla_decode_prep_ok(d, wkv_b, kAttnCounters, wide);
       {
         float* qa = f32(kLat, size_t(n * H * C));
         if (ko("prep") || prep_in) {

@@ -304,6 +304,33 @@ __device__ __forceinline__ float dec_merge(const float (*wm)[HB], const float (*
   return M;
 }
 
+// After the fold (ws: the warps' sums [8][HB][C], wm / wl their states): each head's merged
+// output, to ol for one split, else the split's partial sums and (m, l) pair, which the last of
+// the splits combines unless the value absorption will (combine false).
+template <int HB>
+__device__ __forceinline__ void dec_finish(const MlaDims& d, int64_t n, int64_t i, int h0, int hb, int ns,
+                                           const float* ws, const float (*wm)[HB], const float (*wl)[HB],
+                                           float* __restrict__ part, float* __restrict__ ml, unsigned* counters,
+                                           float* __restrict__ ol, float* fz, float* lsum, bool combine, bool b0) {
+  const int64_t z = blockIdx.z;
+  for (int h = 0; h < hb; ++h) {
+    float fw[8], L;
+    const float M = dec_merge<HB>(wm, wl, h, fw, L);
+    const int64_t ih = i * d.H + h0 + h;
+    for (int col = threadIdx.x; col < d.C; col += blockDim.x) {
+      float o = 0.f;
+#pragma unroll
+      for (int w = 0; w < 8; ++w) o += ws[(w * HB + h) * d.C + col] * fw[w];
+      if (ns == 1) ol[ih * d.C + col] = o / L;
+      else part[(z * n * d.H + ih) * d.C + col] = o;
+    }
+    if (ns > 1 && threadIdx.x == 0) ml[(z * n * d.H + ih) * 2] = M, ml[(z * n * d.H + ih) * 2 + 1] = L;
+  }
+  if (b0) trace_point();
+  if (ns == 1 || !combine) return;  // (!combine: the value absorption combines them, gemv_splits)
+  combine_splits(d, n, i, h0, hb, ns, part, ml, counters, ol, fz, lsum);
+}
+
 // The same attention with each warp's rows folded in as they arrive (decode steps; DecRows): one
 // round of cache loads per 16 positions instead of a score pass, a softmax pass and a value pass
 // over shared scores, the 8 warps merged in shared memory, several splits combined by the last.
@@ -337,23 +364,7 @@ __global__ void __launch_bounds__(256) decode_attn_warps_kernel(MlaDims d, const
   R.fold(qs, ws, wm, wl);
   __syncthreads();
   if (b0) trace_point();
-  const int64_t z = blockIdx.z;
-  for (int h = 0; h < hb; ++h) {
-    float fw[8], L;
-    const float M = dec_merge<HB>(wm, wl, h, fw, L);
-    const int64_t ih = i * d.H + h0 + h;
-    for (int col = threadIdx.x; col < d.C; col += blockDim.x) {
-      float o = 0.f;
-#pragma unroll
-      for (int w = 0; w < 8; ++w) o += ws[(w * HB + h) * d.C + col] * fw[w];
-      if (ns == 1) ol[ih * d.C + col] = o / L;
-      else part[(z * n * d.H + ih) * d.C + col] = o;
-    }
-    if (ns > 1 && threadIdx.x == 0) ml[(z * n * d.H + ih) * 2] = M, ml[(z * n * d.H + ih) * 2 + 1] = L;
-  }
-  if (b0) trace_point();
-  if (ns == 1 || !combine) return;  // (!combine: the value absorption combines them, gemv_splits)
-  combine_splits(d, n, i, h0, hb, ns, part, ml, counters, ol, fz, lsum);
+  dec_finish<HB>(d, n, i, h0, hb, ns, ws, wm, wl, part, ml, counters, ol, fz, lsum, combine, b0);
 }
 
 // Shared memory of decode_attn_prep_kernel, in floats before the weights: qs [C + R], ws [8][C],
@@ -500,19 +511,7 @@ __global__ void __launch_bounds__(256) decode_attn_prep_kernel(MlaDims d, const 
   R.fold(qs, ws, wm, wl);
   __syncthreads();
   if (b0) trace_point();
-  const int64_t z = blockIdx.z;
-  float fw[8], L;
-  const float M = dec_merge<1>(wm, wl, 0, fw, L);
-  for (int col = tid; col < d.C; col += 256) {
-    float o = 0.f;
-#pragma unroll
-    for (int w = 0; w < 8; ++w) o += ws[w * d.C + col] * fw[w];
-    if (ns == 1) ol[int64_t(h) * d.C + col] = o / L;
-    else part[(z * d.H + h) * d.C + col] = o;
-  }
-  if (ns > 1 && tid == 0) ml[(z * d.H + h) * 2] = M, ml[(z * d.H + h) * 2 + 1] = L;
-  if (ns == 1 || !combine) return;
-  combine_splits(d, 1, 0, h, 1, ns, part, ml, counters, ol, fz, lsum);
+  dec_finish<1>(d, 1, 0, h, 1, ns, ws, wm, wl, part, ml, counters, ol, fz, lsum, combine, b0);
 }
 
 }  // namespace

@@ -15,8 +15,6 @@
 // a dot product does not see: MMA step j of an iteration takes the lane's values 4j .. 4j + 3.
 #include <algorithm>
 #include <cstdlib>
-#include <mutex>
-#include <unordered_map>
 
 #include "backend/cuda/common.cuh"
 #include "backend/cuda/mma.cuh"

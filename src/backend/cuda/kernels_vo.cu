@@ -41,8 +41,9 @@ struct VoJob {
   float* y;            // [wo.rows]
 };
 
+// (bf16 at the 16B shape fits one block per SM by its shared memory: its registers may use that.)
 template <int WT>
-__global__ void __launch_bounds__(kVoThreads, WT == kFP8 ? 2 : 1) vo_kernel(VoJob J) {  // (bf16 at 16B: one block per SM by its shared memory)
+__global__ void __launch_bounds__(kVoThreads, WT == kFP8 ? 2 : 1) vo_kernel(VoJob J) {
   extern __shared__ __align__(16) char smem[];
   __shared__ float fz[kDecMaxSplits];
   __shared__ float lsum;
