@@ -742,7 +742,8 @@ class CudaBackend final : public Backend {
       const bool prep_try = one && n == 1 && hb == 1 && opt_.prep_in_attn && opt_.decode_attn_warps && !ko("prep") &&
                             !ko("attn");
       const bool two = prep_try && cuda::mla_decode_prep_ok(d, wkv_b, kAttnCounters);
-      const bool wide = prep_try && !two && opt_.prep_in_attn_wide && cuda::mla_decode_prep_ok(d, wkv_b, kAttnCounters, true);
+      const bool wide =
+          prep_try && !two && opt_.prep_in_attn_wide && cuda::mla_decode_prep_ok(d, wkv_b, kAttnCounters, true);
       const bool prep_in = two || wide;
       int cap = opt_.decode_splits;
       if (wide) cap = std::max(1, std::min(cap > 0 ? cap : 1 << 30, int(cuda::device_sms() / H)));
