@@ -138,7 +138,7 @@ if [ "$BENCH_ARGS" != none ]; then
     done
   fi
 fi
-if [ -n "${ENV_AB:-}" ]; then  # e.g. ENV_AB="-|DSV3_CUDA_VO=1|DSV3_CUDA_VO=1 DSV3_CUDA_PREP_IN_ATTN=1|@alt"
+if [ -n "${ENV_AB:-}" ]; then  # e.g. ENV_AB="-|DSV3_CUDA_PAIR_GEMV=0|DSV3_CUDA_PAIR_GEMV=0 DSV3_CUDA_FLASH=0|@alt"
   EARGS=${ENV_ARGS:---dtypes fp8,bf16 --decode-only --batches 1 --variants default}
   IFS='|' read -r -a SETS <<< "$ENV_AB"
   for r in $(seq 1 ${ENV_ROUNDS:-3}); do

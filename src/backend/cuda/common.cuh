@@ -246,13 +246,6 @@ __device__ __forceinline__ void split_bf16(float x, __nv_bfloat16* hi, __nv_bflo
 
 __device__ __forceinline__ float silu(float x) { return x / (1.f + expf(-x)); }
 
-// RoPE on one pair: (a, b) rotated by the angle whose cosine is c and sine s (every prep form's
-// arithmetic, so they give the same bits). The contractions are written out: left to ptxas, which
-// product of a*c - b*s it fuses may differ between the inlined copies.
-__device__ __forceinline__ float2 rope_pair(float a, float b, float c, float s) {
-  return make_float2(fmaf(a, c, -(b * s)), fmaf(a, s, b * c));
-}
-
 template <int WT>
 __host__ __device__ constexpr int chunk_elems() { return WT == kBF16 ? 8 : (WT == kFP8 ? 16 : 4); }
 template <int WT>

@@ -69,10 +69,6 @@ CudaOptions CudaOptions::from_env() {
   o.vabs_splits = env_flag("DSV3_CUDA_VABS_SPLITS", o.vabs_splits);
   o.norm_in_gate = env_flag("DSV3_CUDA_NORM_IN_GATE", o.norm_in_gate);
   o.combine_in_gemv = env_flag("DSV3_CUDA_COMBINE_IN_GEMV", o.combine_in_gemv);
-  o.vo_fuse = env_flag("DSV3_CUDA_VO", o.vo_fuse);
-  o.prep_in_attn = env_flag("DSV3_CUDA_PREP_IN_ATTN", o.prep_in_attn);
-  o.prep_in_attn_wide = env_flag("DSV3_CUDA_PREP_IN_ATTN_WIDE", o.prep_in_attn_wide);
-  o.prep_one_round = env_flag("DSV3_CUDA_PREP_ONE_ROUND", o.prep_one_round);
   return o;
 }
 
@@ -212,7 +208,7 @@ struct MoeTable {
 
 enum Slot {
   kTok, kPos, kH, kH2, kS, kPart, kMl, kLat, kKvb, kLogits, kSched, kMoeH, kMoeO, kHi, kLo, kHi2, kLo2, kSplitK, kCublasWs, kTopk,
-  kVoPart, kNumSlots
+  kNumSlots
 };
 
 class CudaBackend final : public Backend {
@@ -234,13 +230,11 @@ class CudaBackend final : public Backend {
     wgmma_ = opt_.wgmma && prop.major == 9;  // sm_90a code: Hopper only
     CK(cudaMallocHost(&staging_, kStagingBytes));
     // [gate + router][decode attention: kAttnCounters][pad][experts run: 8 bytes, 8-byte aligned]
-    // [value absorption + wo: kVoMaxGroups]
-    const size_t words = 2 + size_t(kAttnCounters) + 2 + size_t(cuda::kVoMaxGroups);
+    const size_t words = 2 + size_t(kAttnCounters) + 2;
     CK(cudaMalloc(&counter_, sizeof(unsigned) * words));
     CK(cudaMemset(counter_, 0, sizeof(unsigned) * words));
     attn_counters_ = counter_ + 1;
     experts_run_ = reinterpret_cast<unsigned long long*>(counter_ + 2 + kAttnCounters);
-    vo_counters_ = counter_ + 4 + kAttnCounters;
     CK(cudaEventCreateWithFlags(&staging_done_, cudaEventDisableTiming));
     // cuBLAS (the prefill attention) set up now: never during graph capture.
     CB(cublasCreate(&cublas_));
@@ -517,15 +511,6 @@ class CudaBackend final : public Backend {
 
   void linear(const float* x, int64_t n, const Linear& w, float* y) override {
     const DevLinear dw = dev_linear(w);
-    // wo of one token after its value absorption (kept by mla): both in one launch.
-    if (pvo_.out && pvo_.out == x && n == 1 && !ko("linear") && cuda::vo_ok(pvo_.wv, dw, pvo_.heads)) {
-      const PendingVo p = pvo_;
-      pvo_ = {};
-      mark("mla.out+wo");
-      float* part_y = f32(kVoPart, size_t(p.heads) * size_t(dw.rows));
-      cuda::vo(L_, p.wv, p.sh.wrows, dw, p.heads, p.pos, p.ns, p.part, p.ml, p.ol, part_y, vo_counters_, y);
-      return;
-    }
     // Two products of the pipelined kernel on the same activations (wq and wkv_a at prefill):
     // one split of x, one launch (the first's weight row tiles, then the second's).
     if (plin_.x == x && plin_.n == n && tc_pair_ok(plin_.w, dw, n)) {
@@ -574,7 +559,6 @@ class CudaBackend final : public Backend {
   // The add + norm waiting for a MoE gate, or the combine + add + norm waiting for a paired
   // GEMV, alone.
   void flush_norm() {
-    flush_vo();
     if (pcomb_.h) {
       const cuda::CombineNorm c = pcomb_;
       pcomb_ = {};
@@ -586,13 +570,6 @@ class CudaBackend final : public Backend {
     pnorm_ = {};
     mark("add+rmsnorm");
     cuda::add_rmsnorm(L_, p.h, p.r, 1, p.d, p.w, p.eps, p.x);
-  }
-  // A kept value absorption, alone.
-  void flush_vo() {
-    if (!pvo_.out) return;
-    const PendingVo p = pvo_;
-    pvo_ = {};
-    cuda::gemv_splits(L_, p.wv, p.heads, p.sh, p.pos, p.ns, p.part, p.ml, p.ol, p.out);
   }
   // The linear waiting for a partner, alone (after the add + norm that may feed it).
   void flush_linear() {
@@ -737,17 +714,7 @@ class CudaBackend final : public Backend {
       sh.xs = C, sh.ys = V, sh.wrows = nope + V;
       const int hb = opt_.decode_heads ? opt_.decode_heads : cuda::mla_decode_heads(n);
       const bool one = opt_.decode_attn && n <= 16 && cuda::mla_decode_ok(d, n, kAttnCounters, hb);
-      // One token on one head per block: its prep may be done by the attention's blocks, where they
-      // fit two per SM, or (prep_in_attn_wide) one per SM with as few splits as fill the SMs once.
-      const bool prep_try = one && n == 1 && hb == 1 && opt_.prep_in_attn && opt_.decode_attn_warps && !ko("prep") &&
-                            !ko("attn");
-      const bool two = prep_try && cuda::mla_decode_prep_ok(d, wkv_b, kAttnCounters);
-      const bool wide =
-          prep_try && !two && opt_.prep_in_attn_wide && cuda::mla_decode_prep_ok(d, wkv_b, kAttnCounters, true);
-      const bool prep_in = two || wide;
-      int cap = opt_.decode_splits;
-      if (wide) cap = std::max(1, std::min(cap > 0 ? cap : 1 << 30, int(cuda::device_sms() / H)));
-      const int ns = one ? cuda::mla_decode_splits(d, n, cap, hb) : cuda::mla_splits(d, n);
+      const int ns = one ? cuda::mla_decode_splits(d, n, opt_.decode_splits, hb) : cuda::mla_splits(d, n);
       float* part = ns > 1 ? f32(kPart, size_t(ns * n * H * C)) : nullptr;
       float* ml = ns > 1 ? f32(kMl, size_t(ns * n * H * 2)) : nullptr;
       // One token: the value absorption combines the attention's splits.
@@ -756,10 +723,10 @@ class CudaBackend final : public Backend {
                                   cuda::gemv_splits_ok(L_, wv);
       {
         float* qa = f32(kLat, size_t(n * H * C));
-        if (ko("prep") || prep_in) {
+        if (ko("prep")) {
         } else if (nope <= 128) {
           cuda::mla_prep_qabs(L_, d, pos, n, q, kv, w.kv_norm.as<float>(), cs, cache.kv, cache.pe, wkv_b, qa,
-                              opt_.qabs_vec, opt_.prep_one_round);
+                              opt_.qabs_vec);
         } else {
           cuda::mla_prep(L_, d, false, pos, n, q, kv, w.kv_norm.as<float>(), cs, cache.kv, cache.pe, nullptr,
                          nullptr);
@@ -767,10 +734,6 @@ class CudaBackend final : public Backend {
           cuda::mla_qabs(L_, d, wkv_b, q, n, qa);
         }
         if (ko("attn")) {
-        } else if (prep_in) {
-          mark("mla.prep+attn1");
-          cuda::mla_decode_attn_prep(L_, d, pos, q, kv, w.kv_norm.as<float>(), cs, wkv_b, cache.kv, cache.pe, ns, part,
-                                     ml, attn_counters_, ol, !splits_to_vabs);
         } else if (one) {
           mark("mla.attn1");
           cuda::mla_decode_attn(L_, d, pos, n, qa, q, cache.kv, cache.pe, ns, part, ml, attn_counters_, ol,
@@ -787,9 +750,7 @@ class CudaBackend final : public Backend {
       mark("mla.out");
       if (ko("out")) return;
       if (splits_to_vabs) {
-        // With vo_fuse it waits for the next op: wo on `out` takes it into its launch (linear).
-        pvo_ = {wv, sh, int(H), pos, ns, part, ml, ol, out};
-        if (!opt_.vo_fuse) flush_vo();
+        cuda::gemv_splits(L_, wv, int(H), sh, pos, ns, part, ml, ol, out);
         return;
       }
       if (use_tc(n) && tc_takes(wv)) {
@@ -1264,7 +1225,6 @@ class CudaBackend final : public Backend {
   unsigned* counter_ = nullptr;
   unsigned* attn_counters_ = nullptr;
   unsigned long long* experts_run_ = nullptr;  // in counter_'s allocation, after the attention counters
-  unsigned* vo_counters_ = nullptr;            // ... and after it, cuda::vo's
   cudaEvent_t staging_done_ = nullptr;
   void* step_dev_ = nullptr;
   size_t step_cap_ = 0;
@@ -1293,15 +1253,6 @@ class CudaBackend final : public Backend {
   } pmoe_;
   cuda::GateNorm pnorm_;  // an add + norm of one token, kept for the next op (rmsnorm)
   cuda::CombineNorm pcomb_;  // a MoE combine + add + norm of one token, kept for the next op (rmsnorm)
-  struct PendingVo {  // one token's value absorption (gemv_splits' arguments), kept for wo (vo_fuse)
-    cuda::DevLinear wv;
-    cuda::GemvShift sh;
-    int heads = 0;
-    const DevPos* pos = nullptr;
-    int ns = 0;
-    const float *part = nullptr, *ml = nullptr, *ol = nullptr;
-    float* out = nullptr;
-  } pvo_;
   std::vector<std::pair<std::string, cudaEvent_t>> marks_;
   std::vector<cudaEvent_t> free_events_;
   std::map<std::string, double> prof_;

@@ -72,21 +72,6 @@ struct CudaOptions {
                                // paired wq / wkv_a GEMV (each block for its own use, block 0 writing y, h
                                // and x; where the FMA GEMV takes both): one one-block kernel fewer
                                // (DSV3_CUDA_COMBINE_IN_GEMV=0: moe_combine_add_rmsnorm launched on its own)
-  bool vo_fuse = false;  // one token's value absorption (with its split combine) and wo in one launch
-                        // (cuda::vo: each block one head's partial of some wo rows, the last of a row
-                        // group adding them; no kernel boundary between the two). Off until measured on
-                        // the H200 (DSV3_CUDA_VO=1)
-  bool prep_one_round = false; // mla_prep_qabs's prep block with its loads in one round: the rope row and
-                               // norm weights before the PDL wait, q's rope part and the kv row at once
-                               // after it (same bits). Off until measured (DSV3_CUDA_PREP_ONE_ROUND=1)
-  bool prep_in_attn = false; // one token's rope, kv_norm, cache write and q absorption done by its decode
-                             // attention's blocks (mla_decode_attn_prep: each its own head's query, the
-                             // split holding the token's position its cache row): one launch fewer. Off
-                             // until measured on the H200 (DSV3_CUDA_PREP_IN_ATTN=1)
-  bool prep_in_attn_wide = false; // with prep_in_attn, where its shared memory does not fit two blocks per SM
-                                  // (bf16 at the 16B shape), one block per SM, with the position splits
-                                  // capped so its blocks fill the SMs once (8 at 16 heads on 132 SMs; 16
-                                  // otherwise). Off until measured (DSV3_CUDA_PREP_IN_ATTN_WIDE=1)
   bool fp8_wgmma = true; // FP8 weights in the pipelined kernel's wgmma form (widened to bf16 in shared memory)
                          // for products of tc_min+ tokens; off: the WMMA GEMM (DSV3_CUDA_FP8_WGMMA=0)
   // A measurement aid, never for results: decode-step kernel groups not launched at all

@@ -1,6 +1,5 @@
-// The FMA GEMVs' dot products of 16-byte weight chunks with float32 activations, shared by the
-// streaming GEMVs (kernels_gemv.cu) and the fused value absorption + output projection
-// (kernels_vo.cu), so that both do the same arithmetic per chunk.
+// The FMA GEMVs' dot products of 16-byte weight chunks with float32 activations (the streaming
+// GEMVs of kernels_gemv.cu).
 #pragma once
 #include "backend/cuda/common.cuh"
 

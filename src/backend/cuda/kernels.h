@@ -58,9 +58,6 @@ struct Launch {
 
 // Multiprocessors of the current device (queried once; 132 if the query fails).
 int device_sms();
-// Dynamic shared memory one block may opt into on the current device (queried once; 227 KB if the
-// query fails).
-size_t device_smem_optin();
 
 // ---- measurement (trace.cu): with kernels built with DSV3_TRACE=1, every kernel's block 0 records
 // its wait (common.cuh); otherwise these do nothing.
@@ -128,20 +125,6 @@ bool gemv_splits_ok(const Launch& L, const DevLinear& w);
 void gemv_splits(const Launch& L, const DevLinear& w, int heads, GemvShift shift, const DevPos* pos, int nsplit,
                  const float* part, const float* ml, const float* ol, float* y);
 void gemv2(const Launch& L, const DevLinear& w, float* y, const DevLinear& w2, float* y2, const float* x, int64_t m);
-
-// One token's value absorption and output projection in one launch (kernels_vo.cu), after
-// mla_decode_attn with combine = false: head b's latent (its splits combined as gemv_splits does)
-// through head b's value rows (wv: head 0's [V, C] rows of wkv_b, head b's b * wrows rows
-// further), then y[r] = sum over heads b, in order, of wo[r, bV .. bV + V) · (wv_b · latent_b).
-// Blocks of a row group each compute one head's partial (part_y: heads * wo.rows floats of
-// scratch); the last to arrive at counters[group] (zeroed; it resets it) adds them. vo_ok: bf16 or
-// e4m3 (both alike), C <= 512, V / (16-byte chunk) a power of two <= 32, wo.cols == heads * V, at
-// most kVoMaxGroups row groups (vo_groups).
-constexpr int kVoMaxGroups = 16;
-bool vo_ok(const DevLinear& wv, const DevLinear& wo, int heads);
-int vo_groups(const DevLinear& wv, const DevLinear& wo, int heads);
-void vo(const Launch& L, const DevLinear& wv, int64_t wrows, const DevLinear& wo, int heads, const DevPos* pos,
-        int nsplit, const float* part, const float* ml, const float* ol, float* part_y, unsigned* counters, float* y);
 
 // ---- the same products of m <= 8 tokens on tensor cores (kernels_tcgemv.cu); gemv, gemv2 and
 // the backend's MoE try these first. Each returns false (launching nothing) where it does not
@@ -354,10 +337,9 @@ void mla_prep(const Launch& L, const MlaDims& d, bool naive, const DevPos* pos, 
               float* latent, float* cache_k);
 // mla_prep (absorbed) and mla_qabs in one launch. vec: the absorption with 16-byte weight loads
 // where the layout allows (decode), else (and as its reference twin) the element-wise form.
-// prep_one_round: the prep's loads in one round (constants before the PDL wait), same bits.
 void mla_prep_qabs(const Launch& L, const MlaDims& d, const DevPos* pos, int64_t n, float* q, const float* kv,
                    const float* kv_norm_w, const float* rope, float* cache_kv, float* cache_pe, const DevLinear& wkv_b,
-                   float* qa, bool vec = true, bool prep_one_round = false);
+                   float* qa, bool vec = true);
 // qa[i, h, c] = sum_{d < nope} q[i, h, d] * wkv_b[h * (nope + V) + d, c]
 void mla_qabs(const Launch& L, const MlaDims& d, const DevLinear& wkv_b, const float* q, int64_t n, float* qa);
 // S[i, h, t] = (qa[i,h]·kv[t] + q_pe[i,h]·pe[t]) * scale for t <= pos_i (S rows max_len long).
@@ -386,19 +368,6 @@ void mla_decode_attn(const Launch& L, const MlaDims& d, const DevPos* pos, int64
                      int hb = 2,                                        // as loaded; else score/softmax/value passes
                      bool combine = true);  // false (warps only): with several splits, only part and ml are
                                             // written (gemv_splits combines them)
-// One token's decode attention (one head per block) with its MLA prep in the same launch: q is
-// the raw query [H, nope + R] (not rotated; nothing writes it), kv its raw [C + R] row; each block
-// ropes and absorbs its head's query itself (head h's nope rows of wkv_b, [H * (nope + V), C]),
-// and the split holding the token's position makes its cache row (kv_norm_w, the key rope) and
-// uses it from shared memory, head 0's block writing it to cache_kv / cache_pe. Otherwise as
-// mla_decode_attn with n = 1, hb = 1, warps. mla_decode_prep_ok: bf16 or e4m3 wkv_b in 16-byte
-// rows, and its shared memory within two blocks per SM (e4m3 at the 16B shape; bf16 there not),
-// or with `wide` within one block per SM (bf16 at the 16B shape: 150 KB).
-bool mla_decode_prep_ok(const MlaDims& d, const DevLinear& wkv_b, int64_t counters, bool wide = false);
-void mla_decode_attn_prep(const Launch& L, const MlaDims& d, const DevPos* pos, const float* q, const float* kv,
-                          const float* kv_norm_w, const float* rope, const DevLinear& wkv_b, float* cache_kv,
-                          float* cache_pe, int nsplit, float* part, float* ml, unsigned* counters, float* ol,
-                          bool combine = true);
 // Naive: k_nope and v of the new tokens from kvb [n, H * (nope + V)] into the caches.
 void mla_naive_store(const Launch& L, const MlaDims& d, const DevPos* pos, int64_t n, const float* kvb,
                      float* cache_k, float* cache_v);

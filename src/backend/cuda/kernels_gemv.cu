@@ -578,16 +578,6 @@ int device_sms() {
   return n;
 }
 
-size_t device_smem_optin() {
-  static const size_t n = [] {
-    int dev = 0, v = 0;
-    cudaGetDevice(&dev);
-    cudaDeviceGetAttribute(&v, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev);
-    return v > 0 ? size_t(v) : size_t(227 * 1024);
-  }();
-  return n;
-}
-
 // Whether a weight rectangle can be read in 16-byte chunks.
 bool vec_ok(const DevLinear& w) {
   const int ce = w.t == kBF16 ? 8 : (w.t == kFP8 ? 16 : 4);

@@ -25,7 +25,6 @@ struct PrepArgs {
   const float* nw;
   const float* rope;
   float *cache_kv, *cache_pe, *latent, *cache_k;
-  bool one_round = false;  // PrepRound where it fits (CudaOptions::prep_one_round)
 };
 
 __device__ void prep_token(const PrepArgs& P, int64_t i, float* red) {
@@ -45,8 +44,9 @@ __device__ void prep_token(const PrepArgs& P, int64_t i, float* red) {
   for (int e = threadIdx.x; e < d.H * half; e += blockDim.x) {
     const int h = e / half, j = e % half;
     float* x = q + (i * d.H + h) * qk + d.nope + 2 * j;
-    const float2 qr = rope_pair(x[0], x[1], cs[2 * j], cs[2 * j + 1]);
-    x[0] = qr.x, x[1] = qr.y;
+    const float a = x[0], b = x[1], c = cs[2 * j], s = cs[2 * j + 1];
+    x[0] = a * c - b * s;
+    x[1] = a * s + b * c;
   }
   float ss = 0.f;
   for (int c = threadIdx.x; c < d.C; c += blockDim.x) ss += kvi[c] * kvi[c];
@@ -55,8 +55,8 @@ __device__ void prep_token(const PrepArgs& P, int64_t i, float* red) {
   float* dst = naive ? latent + i * d.C : cache_kv + row * d.C;
   for (int c = threadIdx.x; c < d.C; c += blockDim.x) dst[c] = kvi[c] * r * nw[c];
   for (int j = threadIdx.x; j < half; j += blockDim.x) {
-    const float2 kr = rope_pair(kvi[d.C + 2 * j], kvi[d.C + 2 * j + 1], cs[2 * j], cs[2 * j + 1]);
-    const float x0 = kr.x, x1 = kr.y;
+    const float a = kvi[d.C + 2 * j], b = kvi[d.C + 2 * j + 1], c = cs[2 * j], s = cs[2 * j + 1];
+    const float x0 = a * c - b * s, x1 = a * s + b * c;
     if (!naive) {
       cache_pe[row * d.R + 2 * j] = x0;
       cache_pe[row * d.R + 2 * j + 1] = x1;
@@ -70,92 +70,11 @@ __device__ void prep_token(const PrepArgs& P, int64_t i, float* red) {
   }
 }
 
-// prep_token's absorbed-decode form (not naive) with its loads in one round: the rope row of the
-// token's position and the norm weights before the PDL wait, then every load of q's rope part
-// and the kv row at once, instead of a dependent round trip per loop (q rope, sum of squares,
-// norm, key rope). The same expressions in the same order: the same bits as prep_token.
-struct PrepRound {
-  static constexpr int kQ = 4, kC = 2;  // q rope pairs and latent columns per thread (256 threads)
-  static __device__ bool fits(const MlaDims& d) {
-    return d.H * (d.R / 2) <= 256 * kQ && d.C <= 256 * kC && d.R / 2 <= 256;
-  }
-  const PrepArgs& P;
-  int64_t i;
-  float qc[kQ], qsn[kQ], nwv[kC], kc = 0.f, ks = 0.f;
-  __device__ PrepRound(const PrepArgs& p, int64_t i_) : P(p), i(i_) {}
-  // Before the wait: nothing here is written by an earlier kernel.
-  __device__ void constants() {
-    const MlaDims& d = P.d;
-    const int half = d.R / 2, tid = threadIdx.x;
-    const float* cs = P.rope + int64_t(P.pos[i].pos) * d.R;
-#pragma unroll
-    for (int u = 0; u < kQ; ++u) {
-      const int e = tid + 256 * u, j = e % half;
-      qc[u] = e < d.H * half ? cs[2 * j] : 0.f, qsn[u] = e < d.H * half ? cs[2 * j + 1] : 0.f;
-    }
-#pragma unroll
-    for (int u = 0; u < kC; ++u) nwv[u] = tid + 256 * u < d.C ? P.nw[tid + 256 * u] : 0.f;
-    if (tid < half) kc = cs[2 * tid], ks = cs[2 * tid + 1];
-  }
-  __device__ void run(float* red) {
-    const MlaDims& d = P.d;
-    const int half = d.R / 2, tid = threadIdx.x, qk = d.qk();
-    const DevPos p = P.pos[i];
-    const int64_t row = int64_t(p.slot) * d.max_len + p.pos;
-    const float* kvi = P.kv + i * (d.C + d.R);
-    float qa[kQ], qb[kQ], kvv[kC], ka = 0.f, kb = 0.f;
-#pragma unroll
-    for (int u = 0; u < kQ; ++u) {
-      const int e = tid + 256 * u;
-      const float* x = P.q + (i * d.H + e / half) * qk + d.nope + 2 * (e % half);
-      qa[u] = e < d.H * half ? x[0] : 0.f, qb[u] = e < d.H * half ? x[1] : 0.f;
-    }
-#pragma unroll
-    for (int u = 0; u < kC; ++u) kvv[u] = tid + 256 * u < d.C ? kvi[tid + 256 * u] : 0.f;
-    if (tid < half) ka = kvi[d.C + 2 * tid], kb = kvi[d.C + 2 * tid + 1];
-#pragma unroll
-    for (int u = 0; u < kQ; ++u) {
-      const int e = tid + 256 * u;
-      if (e >= d.H * half) break;
-      float* x = P.q + (i * d.H + e / half) * qk + d.nope + 2 * (e % half);
-      const float2 qr = rope_pair(qa[u], qb[u], qc[u], qsn[u]);
-      x[0] = qr.x, x[1] = qr.y;
-    }
-    float ss = 0.f;
-#pragma unroll
-    for (int u = 0; u < kC; ++u)
-      if (tid + 256 * u < d.C) ss += kvv[u] * kvv[u];
-    ss = block_sum(ss, red);
-    const float r = 1.f / sqrtf(ss / float(d.C) + d.eps);
-#pragma unroll
-    for (int u = 0; u < kC; ++u)
-      if (tid + 256 * u < d.C) P.cache_kv[row * d.C + tid + 256 * u] = kvv[u] * r * nwv[u];
-    if (tid < half) {
-      const float2 k = rope_pair(ka, kb, kc, ks);
-      P.cache_pe[row * d.R + 2 * tid] = k.x;
-      P.cache_pe[row * d.R + 2 * tid + 1] = k.y;
-    }
-  }
-};
-
-// One token's prep, in one round where it fits (after the wait in any case).
-__device__ __forceinline__ void prep_block(const PrepArgs& P, int64_t i, float* red) {
-  if (P.one_round && !P.naive && PrepRound::fits(P.d)) {
-    PrepRound pr(P, i);
-    pr.constants();
-    pdl_wait();
-    pdl_trigger();
-    pr.run(red);
-    return;
-  }
-  pdl_wait();
-  pdl_trigger();
-  prep_token(P, i, red);
-}
-
 __global__ void prep_kernel(PrepArgs P) {
   __shared__ float red[33];
-  prep_block(P, blockIdx.x, red);
+  pdl_wait();
+  pdl_trigger();
+  prep_token(P, blockIdx.x, red);
 }
 
 template <int WT>
@@ -329,7 +248,9 @@ __global__ void __launch_bounds__(256) prep_qabs_kernel(PrepArgs P, DevLinear w,
     if constexpr (TB > 0) qabs_vec_block<WT, TB>(P.d, w, P.q, n, qa, blockIdx.x % P.d.H, blockIdx.x / P.d.H, smem);
     else qabs_block<WT>(P.d, w, P.q, n, qa, blockIdx.x % P.d.H, blockIdx.x / P.d.H, smem);
   } else {
-    prep_block(P, blockIdx.x - nq, smem);
+    pdl_wait();
+    pdl_trigger();
+    prep_token(P, blockIdx.x - nq, smem);
   }
 }
 
@@ -574,9 +495,9 @@ void mla_prep(const Launch& L, const MlaDims& d, bool naive, const DevPos* pos, 
 
 void mla_prep_qabs(const Launch& L, const MlaDims& d, const DevPos* pos, int64_t n, float* q, const float* kv,
                    const float* kv_norm_w, const float* rope, float* cache_kv, float* cache_pe, const DevLinear& w,
-                   float* qa, bool qabs_vec, bool prep_one_round) {
+                   float* qa, bool qabs_vec) {
   DSV3_CHECK(d.R % 2 == 0 && d.nope <= 8 * 16, "MLA shape beyond the fused prep/absorption kernel");
-  const PrepArgs P{d, false, pos, q, kv, kv_norm_w, rope, cache_kv, cache_pe, nullptr, nullptr, prep_one_round};
+  const PrepArgs P{d, false, pos, q, kv, kv_norm_w, rope, cache_kv, cache_pe, nullptr, nullptr};
   const unsigned nq = unsigned(d.H) * cdiv(d.C, 64);
   const dim3 grid(nq + unsigned(n));
   // The 16-byte form: whole 64-column blocks, 16-byte aligned rows (and 128-row FP8 scale blocks

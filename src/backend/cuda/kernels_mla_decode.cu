@@ -6,7 +6,6 @@
 
 #include "backend/cuda/common.cuh"
 #include "backend/cuda/mla_splits.cuh"
-#include "backend/cuda/mma.cuh"
 #include "core/error.h"
 
 namespace dsv3::cuda {
@@ -207,9 +206,8 @@ __global__ void __launch_bounds__(256) decode_attn_kernel(MlaDims d, const DevPo
 // two at a time, keeps a running max, sum and latent-weighted sum per head in registers (its
 // lanes' columns) and leaves them in shared memory for the block's merge (dec_merge). One token
 // (preload): the cache rows before its own position were written by earlier steps, so a warp's
-// first two go out before the wait. NEWROW (decode_attn_prep_kernel): the token's own row
-// (position len - 1) comes from nrow in shared memory, made by the block itself.
-template <int HB, bool NEWROW = false>
+// first two go out before the wait.
+template <int HB>
 struct DecRows {
   const MlaDims& d;
   const float* __restrict__ ckv;
@@ -217,7 +215,6 @@ struct DecRows {
   int64_t len, chunk, ts, te, row0;
   int warp, lane, CR;
   bool pre = false;
-  const float* nrow = nullptr;
   float kr[kMaxJ], kq[kMaxJ];
   __device__ DecRows(const MlaDims& d_, DevPos p, const float* ckv_, const float* cpe_)
       : d(d_), ckv(ckv_), cpe(cpe_), warp(int(threadIdx.x >> 5)), lane(int(threadIdx.x & 31)), CR(d_.C + d_.R) {
@@ -227,14 +224,6 @@ struct DecRows {
   }
   __device__ int splits() const { return dec_splits(len, chunk); }  // of this token's length
   __device__ void load_row(int64_t t, float* k) const {
-    if (NEWROW && t == len - 1) {
-#pragma unroll
-      for (int m = 0; m < kMaxJ; ++m) {
-        const int j = lane + 32 * m;
-        k[m] = j < CR ? nrow[j] : 0.f;
-      }
-      return;
-    }
 #pragma unroll
     for (int m = 0; m < kMaxJ; ++m) {
       const int j = lane + 32 * m;
@@ -304,33 +293,6 @@ __device__ __forceinline__ float dec_merge(const float (*wm)[HB], const float (*
   return M;
 }
 
-// After the fold (ws: the warps' sums [8][HB][C], wm / wl their states): each head's merged
-// output, to ol for one split, else the split's partial sums and (m, l) pair, which the last of
-// the splits combines unless the value absorption will (combine false).
-template <int HB>
-__device__ __forceinline__ void dec_finish(const MlaDims& d, int64_t n, int64_t i, int h0, int hb, int ns,
-                                           const float* ws, const float (*wm)[HB], const float (*wl)[HB],
-                                           float* __restrict__ part, float* __restrict__ ml, unsigned* counters,
-                                           float* __restrict__ ol, float* fz, float* lsum, bool combine, bool b0) {
-  const int64_t z = blockIdx.z;
-  for (int h = 0; h < hb; ++h) {
-    float fw[8], L;
-    const float M = dec_merge<HB>(wm, wl, h, fw, L);
-    const int64_t ih = i * d.H + h0 + h;
-    for (int col = threadIdx.x; col < d.C; col += blockDim.x) {
-      float o = 0.f;
-#pragma unroll
-      for (int w = 0; w < 8; ++w) o += ws[(w * HB + h) * d.C + col] * fw[w];
-      if (ns == 1) ol[ih * d.C + col] = o / L;
-      else part[(z * n * d.H + ih) * d.C + col] = o;
-    }
-    if (ns > 1 && threadIdx.x == 0) ml[(z * n * d.H + ih) * 2] = M, ml[(z * n * d.H + ih) * 2 + 1] = L;
-  }
-  if (b0) trace_point();
-  if (ns == 1 || !combine) return;  // (!combine: the value absorption combines them, gemv_splits)
-  combine_splits(d, n, i, h0, hb, ns, part, ml, counters, ol, fz, lsum);
-}
-
 // The same attention with each warp's rows folded in as they arrive (decode steps; DecRows): one
 // round of cache loads per 16 positions instead of a score pass, a softmax pass and a value pass
 // over shared scores, the 8 warps merged in shared memory, several splits combined by the last.
@@ -364,154 +326,23 @@ __global__ void __launch_bounds__(256) decode_attn_warps_kernel(MlaDims d, const
   R.fold(qs, ws, wm, wl);
   __syncthreads();
   if (b0) trace_point();
-  dec_finish<HB>(d, n, i, h0, hb, ns, ws, wm, wl, part, ml, counters, ol, fz, lsum, combine, b0);
-}
-
-// Shared memory of decode_attn_prep_kernel, in floats before the weights: qs [C + R], ws [8][C],
-// fz [kDecMaxSplits], nrow [C + R], qn [nope] (rounded up to 16 bytes); then head h's nope rows of
-// wkv_b's latent columns [nope][C] as stored.
-constexpr int kPrepScales = 16;  // e4m3 scale blocks of one head's nope rows (nope <= 256, C <= 512: 3 x 5)
-__host__ __device__ inline int64_t prep_attn_floats(const MlaDims& d) {
-  return (2 * int64_t(d.C + d.R) + 8 * int64_t(d.C) + kDecMaxSplits + d.nope + 3) / 4 * 4;
-}
-
-// One token's decode attention with the token's MLA prep in the same launch (CudaOptions::
-// prep_in_attn; one head per block): block (head h, split z) does for itself what mla_prep_qabs
-// does for the token — head h's rope query and q absorption (head h's nope rows of wkv_b loaded
-// into shared memory before the wait), and, where its split holds the token's own position, the
-// kv_norm and key rope of the token's cache row (prep_token's arithmetic), which its fold then
-// reads from shared memory; head 0's block writes that row to the caches for later steps. Then
-// the attention as decode_attn_warps_kernel. q is the raw query (its rope part not rotated: no
-// kernel writes q here); kv the token's raw [C + R] row.
-template <int WT, bool PRE>
-__global__ void __launch_bounds__(256) decode_attn_prep_kernel(MlaDims d, const DevPos* __restrict__ pos,
-                                                               const float* __restrict__ q,
-                                                               const float* __restrict__ kv,
-                                                               const float* __restrict__ nw,
-                                                               const float* __restrict__ rope, DevLinear wkv_b,
-                                                               float* __restrict__ ckv, float* __restrict__ cpe,
-                                                               float* __restrict__ part, float* __restrict__ ml,
-                                                               unsigned* __restrict__ counters,
-                                                               float* __restrict__ ol, bool combine) {
-  extern __shared__ __align__(16) float dsm[];
-  __shared__ float wm[8][1], wl[8][1], lsum[1], red[33];
-  __shared__ float sws[kPrepScales];  // e4m3: the block scales of head h's nope rows, [rows][cols]
-  constexpr int CE = chunk_elems<WT>(), EB = elem_bytes<WT>();
-  const int CR = d.C + d.R, h = int(blockIdx.x), tid = int(threadIdx.x), warp = tid >> 5, lane = tid & 31;
-  float* qs = dsm;
-  float* ws = qs + CR;
-  float* fz = ws + 8 * d.C;
-  float* nrow = fz + kDecMaxSplits;
-  float* qn = nrow + CR;
-  uint4* wk = reinterpret_cast<uint4*>(dsm + prep_attn_floats(d));
-  const DevPos p = pos[0];  // (the step's metadata, copied before the step's first kernel)
-  DecRows<1, true> R(d, p, ckv, cpe);
-  R.nrow = nrow;
-  const bool live = R.ts < R.len;
-  const int64_t cpr = d.C / CE;  // 16-byte chunks per row of the latent columns
-  const int64_t wrow = wkv_b.row0 + int64_t(h) * (d.nope + d.V);
-  const int half = d.R / 2;
-  const bool own = R.te == R.len;  // this split holds the token's own position: it makes its cache row
-  // Before the wait (no earlier kernel writes these): head h's nope rows of wkv_b (cp.async) and
-  // their e4m3 scales, the earlier steps' first cache rows, the rope row of the token's position
-  // and the norm weights, so that one round of loads follows the wait.
-  const ScaleTile wsc(sws, wkv_b, wrow - wkv_b.row0, d.nope, WT == kFP8 && live);
-  float rc = 0.f, rs = 0.f, nw0 = 0.f, nw1 = 0.f;
-  if (live) {
-    if (PRE) R.preload();
-    copy_rows_async<EB>(wkv_b, wrow - wkv_b.row0, d.nope, wk);
-    cp_async_commit();
-    const float* cs = rope + int64_t(p.pos) * d.R;
-    if (tid < half) rc = cs[2 * tid], rs = cs[2 * tid + 1];
-    if (own) nw0 = tid < d.C ? nw[tid] : 0.f, nw1 = tid + 256 < d.C ? nw[tid + 256] : 0.f;
+  const int64_t z = blockIdx.z;
+  for (int h = 0; h < hb; ++h) {
+    float fw[8], L;
+    const float M = dec_merge<HB>(wm, wl, h, fw, L);
+    const int64_t ih = i * d.H + h0 + h;
+    for (int col = threadIdx.x; col < d.C; col += blockDim.x) {
+      float o = 0.f;
+#pragma unroll
+      for (int w = 0; w < 8; ++w) o += ws[(w * HB + h) * d.C + col] * fw[w];
+      if (ns == 1) ol[ih * d.C + col] = o / L;
+      else part[(z * n * d.H + ih) * d.C + col] = o;
+    }
+    if (ns > 1 && threadIdx.x == 0) ml[(z * n * d.H + ih) * 2] = M, ml[(z * n * d.H + ih) * 2 + 1] = L;
   }
-  pdl_wait();
-  if (!live) return;  // not one of this token's splits
-  const int ns = R.splits();
-  // The pair GEMV's outputs: head h's raw query and the token's kv row, one load each per thread.
-  const float* qh = q + int64_t(h) * d.qk();
-  const float qv = tid < d.nope ? qh[tid] : 0.f;
-  const float qa = tid < half ? qh[d.nope + 2 * tid] : 0.f, qb = tid < half ? qh[d.nope + 2 * tid + 1] : 0.f;
-  float kv0 = 0.f, kv1 = 0.f, ka = 0.f, kb = 0.f;
-  if (own) {
-    kv0 = tid < d.C ? kv[tid] : 0.f, kv1 = tid + 256 < d.C ? kv[tid + 256] : 0.f;
-    ka = tid < half ? kv[d.C + 2 * tid] : 0.f, kb = tid < half ? kv[d.C + 2 * tid + 1] : 0.f;
-  }
-  if (tid < d.nope) qn[tid] = qv;
-  if (tid < half) {
-    const float2 qr = rope_pair(qa, qb, rc, rs);
-    qs[d.C + 2 * tid] = qr.x, qs[d.C + 2 * tid + 1] = qr.y;
-  }
-  if (own) {  // kv_norm and the key rope (prep_token's arithmetic)
-    const int64_t row = int64_t(p.slot) * d.max_len + p.pos;
-    float ss = 0.f;
-    if (tid < d.C) ss += kv0 * kv0;
-    if (tid + 256 < d.C) ss += kv1 * kv1;
-    ss = block_sum(ss, red);
-    const float r = 1.f / sqrtf(ss / float(d.C) + d.eps);
-    if (tid < d.C) {
-      const float v = kv0 * r * nw0;
-      nrow[tid] = v;
-      if (h == 0) ckv[row * d.C + tid] = v;
-    }
-    if (tid + 256 < d.C) {
-      const float v = kv1 * r * nw1;
-      nrow[tid + 256] = v;
-      if (h == 0) ckv[row * d.C + tid + 256] = v;
-    }
-    if (tid < half) {
-      const float2 k = rope_pair(ka, kb, rc, rs);
-      nrow[d.C + 2 * tid] = k.x, nrow[d.C + 2 * tid + 1] = k.y;
-      if (h == 0) cpe[row * d.R + 2 * tid] = k.x, cpe[row * d.R + 2 * tid + 1] = k.y;
-    }
-  }
-  cp_async_wait<0>();
-  __syncthreads();
-  // The absorbed query qs[c] = sum_k qn[k] wkv_b[wrow + k, c]: warp w the rows w, w + 8, ...; a lane
-  // its chunks lane, lane + 32 (e4m3 times its block scale, as wload); the warps' partials (in ws)
-  // summed in warp order.
-  {
-    constexpr int NV = WT == kFP8 ? 1 : 2;  // chunks per lane (C <= 512)
-    float acc[NV][CE];
-#pragma unroll
-    for (int v = 0; v < NV; ++v)
-#pragma unroll
-      for (int e = 0; e < CE; ++e) acc[v][e] = 0.f;
-    for (int k = warp; k < d.nope; k += 8) {
-      const float qv = qn[k];
-#pragma unroll
-      for (int v = 0; v < NV; ++v) {
-        const int64_t c = lane + 32 * v;
-        if (c >= cpr) break;
-        float wf[CE];
-        decode<WT>(wk[k * cpr + c], wf);
-        const float sc = WT == kFP8 ? wsc.at(wrow + k, wkv_b.col0 + c * CE) : 1.f;
-#pragma unroll
-        for (int e = 0; e < CE; ++e) acc[v][e] = fmaf(qv, WT == kFP8 ? wf[e] * sc : wf[e], acc[v][e]);
-      }
-    }
-#pragma unroll
-    for (int v = 0; v < NV; ++v) {
-      const int64_t c = lane + 32 * v;
-      if (c >= cpr) break;
-#pragma unroll
-      for (int e = 0; e < CE; ++e) ws[warp * d.C + c * CE + e] = acc[v][e];
-    }
-    __syncthreads();
-    for (int c = tid; c < d.C; c += 256) {
-      float sum = 0.f;
-#pragma unroll
-      for (int w = 0; w < 8; ++w) sum += ws[w * d.C + c];
-      qs[c] = sum;
-    }
-    __syncthreads();
-  }
-  const bool b0 = DSV3_TRACE && tid == 0 && blockIdx.x == 0 && blockIdx.z == 0;
   if (b0) trace_point();
-  R.fold(qs, ws, wm, wl);
-  __syncthreads();
-  if (b0) trace_point();
-  dec_finish<1>(d, 1, 0, h, 1, ns, ws, wm, wl, part, ml, counters, ol, fz, lsum, combine, b0);
+  if (ns == 1 || !combine) return;  // (!combine: the value absorption combines them, gemv_splits)
+  combine_splits(d, n, i, h0, hb, ns, part, ml, counters, ol, fz, lsum);
 }
 
 }  // namespace
@@ -555,46 +386,6 @@ void launch_decode_attn(const Launch& L, const MlaDims& d, const DevPos* pos, in
   launch(L, decode_attn_kernel<HB>, grid, dim3(256), smem, d, pos, n, qa, q, cache_kv, cache_pe, part, ml, counters, ol);
 }
 }  // namespace
-
-namespace {
-constexpr size_t kPrepAttnMaxSmem = 100 * 1024;  // two blocks per SM
-size_t prep_attn_smem(const MlaDims& d, int32_t t) {
-  return size_t(prep_attn_floats(d)) * 4 + size_t(d.nope) * size_t(d.C) * (t == kFP8 ? 1 : 2);
-}
-template <int WT>
-void launch_prep_attn(const Launch& L, dim3 grid, size_t smem, const MlaDims& d, const DevPos* pos, const float* q,
-                      const float* kv, const float* nw, const float* rope, const DevLinear& wkv_b, float* ckv,
-                      float* cpe, float* part, float* ml, unsigned* counters, float* ol, bool combine) {
-  allow_smem(decode_attn_prep_kernel<WT, true>, smem);
-  launch(L, decode_attn_prep_kernel<WT, true>, grid, dim3(256), smem, d, pos, q, kv, nw, rope, wkv_b, ckv, cpe, part,
-         ml, counters, ol, combine);
-}
-}  // namespace
-
-bool mla_decode_prep_ok(const MlaDims& d, const DevLinear& wkv_b, int64_t counters, bool wide) {
-  if (wkv_b.t != kFP8 && wkv_b.t != kBF16) return false;
-  const int64_t ce = wkv_b.t == kFP8 ? 16 : 8;
-  return mla_decode_ok(d, 1, counters, 1) && d.R % 2 == 0 && d.R / 2 <= 256 && d.nope <= 256 && d.C % ce == 0 &&
-         wkv_b.cols == d.C && wkv_b.rows >= d.H * (d.nope + d.V) && vec_ok(wkv_b) &&
-         prep_attn_smem(d, wkv_b.t) <= (wide ? device_smem_optin() : kPrepAttnMaxSmem);
-}
-
-void mla_decode_attn_prep(const Launch& L, const MlaDims& d, const DevPos* pos, const float* q, const float* kv,
-                          const float* kv_norm_w, const float* rope, const DevLinear& wkv_b, float* cache_kv,
-                          float* cache_pe, int nsplit, float* part, float* ml, unsigned* counters, float* ol,
-                          bool combine) {
-  DSV3_CHECK(nsplit >= 1 && nsplit <= kDecMaxSplits, "mla_decode_attn_prep: ", nsplit, " position splits");
-  // (the counters' capacity and the blocks per SM are the caller's to choose: mla_decode_prep_ok)
-  DSV3_CHECK(mla_decode_prep_ok(d, wkv_b, d.H, true), "mla_decode_attn_prep: shape or weight type it does not take");
-  const dim3 grid(unsigned(d.H), 1, unsigned(nsplit));
-  const size_t smem = prep_attn_smem(d, wkv_b.t);
-  if (wkv_b.t == kFP8)
-    launch_prep_attn<kFP8>(L, grid, smem, d, pos, q, kv, kv_norm_w, rope, wkv_b, cache_kv, cache_pe, part, ml,
-                           counters, ol, combine);
-  else
-    launch_prep_attn<kBF16>(L, grid, smem, d, pos, q, kv, kv_norm_w, rope, wkv_b, cache_kv, cache_pe, part, ml,
-                            counters, ol, combine);
-}
 
 void mla_decode_attn(const Launch& L, const MlaDims& d, const DevPos* pos, int64_t n, const float* qa, const float* q,
                      const float* cache_kv, const float* cache_pe, int nsplit, float* part, float* ml,

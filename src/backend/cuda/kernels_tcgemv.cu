@@ -70,36 +70,10 @@
 #define DSV3_TCV_STAGGER 1  // FP8 b1 +1%; at 8 tokens FP8 -0.5%, bf16 +0.3%, so there it stays off)
 #endif
 
-// DSV3_TCV_TLB_WARM=1 (a measurement form, written in the twenty-first session without a device;
-// not yet run): every block of a one-token expert GEMV launch first touches (L2 prefetch) each
-// 2 MB page of the stage's routed expert weights, spread over the launch's threads, before it
-// waits or routes. It tests whether a routed block's first weights arrive late (~3 µs after it
-// asks, run33/34) partly because their pages' address translations are cold (a routed block
-// learns its expert only after routing); its traffic is one line per page.
-#ifndef DSV3_TCV_TLB_WARM
-#define DSV3_TCV_TLB_WARM 0
-#endif
-
 namespace dsv3::cuda {
 namespace {
 
 constexpr int kTW = 8;  // warps per block
-
-// DSV3_TCV_TLB_WARM: one prefetch per 2 MB page of each routed expert's stage weights (w1 and w3,
-// or w2), a thread per weight (E experts x the stage's weights, at most one per thread of the launch).
-template <int WT>
-__device__ __forceinline__ void warm_pages(const DevExpert* __restrict__ table, int E, int stage) {
-  const int64_t nb = int64_t(gridDim.x) * gridDim.y, b = int64_t(blockIdx.y) * gridDim.x + blockIdx.x;
-  const int64_t q = b + nb * threadIdx.x, nw = stage == 0 ? 2 : 1;
-  if (q >= E * nw) return;
-  const DevExpert& X = table[q / nw];
-  const DevLinear& w = stage == 0 ? (q % nw == 0 ? X.w1 : X.w3) : X.w2;
-  constexpr int64_t kPage = int64_t(2) << 20, EB = WT == kFP8 ? 1 : 2;
-  const char* p = static_cast<const char*>(w.w) + (w.row0 * w.ld + w.col0) * EB;
-  const int64_t bytes = ((w.rows - 1) * w.ld + w.cols) * EB;
-  for (int64_t o = 0; o < bytes; o += kPage) asm volatile("prefetch.global.L2 [%0];" ::"l"(p + o));
-  asm volatile("prefetch.global.L2 [%0];" ::"l"(p + bytes - 1));
-}
 
 template <int WT>
 struct Tcv;
@@ -483,7 +457,6 @@ __global__ void __launch_bounds__(kTW * 32, 2) tcv_moe_kernel(int stage, const D
 #if DSV3_TRACE_BLOCKS
   const unsigned long long t0 = global_ns();
 #endif
-  if (DSV3_TCV_TLB_WARM && ONE) warm_pages<WT>(table, s.E, stage);
   const int y = launch_slot<ONE>(s, stage);
   if (!expert_slot<ONE>(s, stage, y, e, off, cnt)) return;
 #if DSV3_TRACE_BLOCKS

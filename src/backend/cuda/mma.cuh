@@ -18,32 +18,6 @@ __device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, bool v
                "r"(valid ? 16 : 0));
 }
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
-
-// Rows [w.row0 + r0, + rows) of a weight rectangle (all its columns, EB bytes each, 16-byte rows)
-// into shared memory dst [rows][cols * EB / 16] by the block's threads, with cp.async; the caller
-// commits and waits. The rectangle's e4m3 block scales over the same rows go to a ScaleTile.
-template <int EB>
-__device__ __forceinline__ void copy_rows_async(const DevLinear& w, int64_t r0, int64_t rows, uint4* dst) {
-  const int64_t cpr = w.cols * EB / 16;
-  const char* base = static_cast<const char*>(w.w);
-  for (int64_t e = threadIdx.x; e < rows * cpr; e += blockDim.x) {
-    const int64_t k = e / cpr, c = e - k * cpr;
-    cp_async16(smem_addr(dst + e), base + ((w.row0 + r0 + k) * w.ld + w.col0) * EB + c * 16, true);
-  }
-}
-// The 128x128 block scales of rows [w.row0 + r0, + rows) of an e4m3 weight rectangle in shared
-// memory s (at least blocks of rows x blocks of columns floats, one per thread of the block to
-// load them), and the scale of element (absolute row, absolute column).
-struct ScaleTile {
-  const float* s;
-  int64_t br0, bc0, nbc;
-  __device__ ScaleTile(float* smem, const DevLinear& w, int64_t r0, int64_t rows, bool load)
-      : s(smem), br0((w.row0 + r0) >> 7), bc0(w.col0 >> 7), nbc(((w.col0 + w.cols - 1) >> 7) - bc0 + 1) {
-    const int64_t n = (((w.row0 + r0 + rows - 1) >> 7) - br0 + 1) * nbc;
-    if (load && threadIdx.x < n) smem[threadIdx.x] = w.s[(br0 + threadIdx.x / nbc) * w.lds + bc0 + threadIdx.x % nbc];
-  }
-  __device__ float at(int64_t r, int64_t c) const { return s[((r >> 7) - br0) * nbc + (c >> 7) - bc0]; }
-};
 template <int N>  // wait until at most N committed groups are pending
 __device__ __forceinline__ void cp_async_wait() {
   asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
