@@ -21,24 +21,10 @@
 #include <cstring>
 #include <vector>
 
+#include "cuda_bench_util.cuh"
+
 namespace {
 
-#define CK(x)                                                                          \
-  do {                                                                                 \
-    cudaError_t e_ = (x);                                                              \
-    if (e_ != cudaSuccess) {                                                           \
-      std::fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e_)); \
-      std::exit(1);                                                                    \
-    }                                                                                  \
-  } while (0)
-
-__device__ __forceinline__ uint4 ld_nc(const char* p) {
-  uint4 r;
-  asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
-               : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
-               : "l"(p));
-  return r;
-}
 __device__ __forceinline__ unsigned fold(const uint4& v) { return v.x ^ v.y ^ v.z ^ v.w; }
 
 // Row pairs: warp takes rows 2g, 2g + 1; per row 4 loads of 16 bytes per lane in flight.
@@ -103,25 +89,9 @@ __global__ void __launch_bounds__(256, 2) tiles_kernel(const char* w, int64_t ro
 
 template <typename F>
 double time_ms(F f, int reps, cudaStream_t st = nullptr) {
-  cudaEvent_t e0, e1;
-  CK(cudaEventCreate(&e0));
-  CK(cudaEventCreate(&e1));
-  std::vector<float> t;
-  for (int r = 0; r < reps + 2; ++r) {
-    CK(cudaEventRecord(e0, st));
-    f();
-    CK(cudaEventRecord(e1, st));
-    CK(cudaEventSynchronize(e1));
-    float ms = 0;
-    CK(cudaEventElapsedTime(&ms, e0, e1));
-    if (r >= 2) t.push_back(ms);
-  }
-  std::sort(t.begin(), t.end());
-  CK(cudaEventDestroy(e0));
-  CK(cudaEventDestroy(e1));
+  const std::vector<double> t = time_samples_ms(f, reps, st);
   return t[t.size() / 2];
 }
-
 // The load patterns, by name; launched on --bps blocks of 8 warps per SM.
 using PatternLaunch = void (*)(dim3, const char*, int64_t, int64_t, unsigned*, cudaStream_t);
 struct Pattern {
