@@ -11,7 +11,9 @@
 //             before its griddepcontrol.wait (as dsv3's kernels load weights before theirs);
 //   persist - one cooperative kernel for the whole step, the phases separated by a grid barrier
 //             (one atomic per block on a counter, then polling it); each phase's slice is copied
-//             into the other of two shared buffers while the phase before computes.
+//             into the other of two shared buffers while the phase before computes;
+//   flow    - the same kernel, but after the pair, the q absorption, the attention and stage 0 a
+//             block waits only for the blocks whose rows it reads (per head or slot counters).
 // --sync-only drops the GEMVs' rows (every phase still stages its activations and waits): what
 // the dependencies alone cost. Prints the step time, each phase's median cost inside the step
 // (block 0's global timer at each wait end) and the fraction of the HBM floor (copy bandwidth).
@@ -21,7 +23,8 @@
 // shape (docs/cuda.md, "What is left"). The first (dense) layer is left out.
 //
 //   dsv3_cuda_step_skeleton_bench [--dtype fp8|bf16] [--layers 26] [--ctx 64] [--reps 20]
-//                                 [--preload-kb 64] [--bps 1] [--rows 2|4] [--modes chain,persist] [--sync-only]
+//                                 [--preload-kb 64] [--bps 1] [--rows 2|4] [--modes chain,persist,flow]
+//                                 [--sync-only]
 // --rows: rows of weights each lane group streams at once (four 16-byte chunks of each in flight).
 #include <cuda_fp8.h>
 #include <cuda_runtime.h>
@@ -46,6 +49,7 @@ constexpr int kDim = 2048, kHeads = 16, kQHead = 192, kNope = 128, kLat = 512, k
 constexpr int kInter = 1408, kSlots = 8, kShared = 2, kTopK = 6, kNE = 16, kGateRows = 64, kVocab = 102400;
 constexpr int kThreads = 256, kWarps = kThreads / 32;
 constexpr int kXCap = 6144;  // floats of staged activations per block
+constexpr int kGroups = 17;  // flow: groups per phase (heads or slots, and one more: kv rows / cache row / routing)
 
 enum Kind { kPair, kPrep, kAttn, kVabs, kWo, kGate, kS0, kS1, kHead, kKinds };
 const char* const kKindName[kKinds] = {"wq+wkv_a (+combine, norm)", "q absorption (+cache row)", "attention (splits)",
@@ -79,6 +83,8 @@ struct Params {
   float* route_w;      // [layer][8] slot weights
   float* logits;       // [102400]
   unsigned* counter;   // the persistent kernel's grid barrier
+  unsigned* flags;     // flow: [phase][kGroups] blocks done per group of a phase's rows
+  int flow;            // the persistent kernel with local waits after the pair, prep, attention, stage 0
   int* err;
   unsigned long long* rec;  // [nphase + 1]: block 0's global timer at each phase's start
 };
@@ -505,6 +511,82 @@ __device__ void grid_barrier(const Params& P, unsigned target) {
   }
   __syncthreads();
 }
+// Flow: after the pair, the q absorption, the attention and stage 0, a block does not wait for
+// the whole grid but only for the blocks that wrote the rows it reads: per head (the pair's
+// q rows of it, the absorption's latent rows, the attention's splits) or per slot (stage 0's
+// rows), plus the pair's kv rows (absorption block 0 writes the cache row from them), that
+// cache row (every attention block reads it) and stage 0's routing (published by its block 0).
+// A producer block adds one to each group its rows touch; a consumer waits for the number of
+// blocks whose rows meet the group (every block has rows in these phases: R >= blocks).
+__device__ __forceinline__ bool flow_local(int kind) { return kind == kPair || kind == kPrep || kind == kAttn || kind == kS0; }
+__device__ __forceinline__ int pair_group(int r) { return r < kHeads * kQHead ? r / kQHead : kHeads; }
+__device__ __forceinline__ int block_of(int r, int R, int nb) { return int((int64_t(r + 1) * nb + R - 1) / R) - 1; }
+__device__ int blocks_meeting(int a, int c, int R, int nb) { return block_of(c - 1, R, nb) - block_of(a, R, nb) + 1; }
+__device__ void flow_add(unsigned* f) { asm volatile("red.release.gpu.global.add.u32 [%0], 1;" ::"l"(f) : "memory"); }
+__device__ void flow_wait(const Params& P, const unsigned* f, unsigned n) {
+  unsigned now;
+  const unsigned long long t0 = global_ns();
+  for (;;) {
+    asm volatile("ld.acquire.gpu.u32 %0, [%1];" : "=r"(now) : "l"(f) : "memory");
+    if (now >= n) return;
+    if (*reinterpret_cast<volatile int*>(P.err) || global_ns() - t0 > 200000000ull) {
+      atomicExch(P.err, 1);
+      return;
+    }
+  }
+}
+// Block b has finished phase i (of a kind with local consumers): count it in its groups.
+__device__ void flow_signal(const Params& P, int i, int kind, int b) {
+  __syncthreads();
+  if (threadIdx.x != 0) return;
+  __threadfence();
+  unsigned* f = P.flags + int64_t(i) * kGroups;
+  const Gemv g = gemv_of(P, kind);
+  int r0, r1;
+  block_rows(g.R, P.nb, b, r0, r1);
+  if (kind == kAttn) {
+    if (b < kHeads * P.splits) flow_add(f + b / P.splits);
+    return;
+  }
+  if (r1 > r0) {
+    const int g0 = kind == kPair ? pair_group(r0) : r0 / g.rows_per_group;
+    const int g1 = kind == kPair ? pair_group(r1 - 1) : (r1 - 1) / g.rows_per_group;
+    for (int k = g0; k <= g1; ++k) flow_add(f + k);
+  }
+  if (b == 0 && kind == kPrep) flow_add(f + kHeads);  // the cache row
+  if (b == 0 && kind == kS0) flow_add(f + kSlots);     // the routing
+}
+// Before phase i (whose predecessor, phase i - 1 of kind pk, had local consumers): wait for
+// the rows block b reads.
+__device__ void flow_wait_for(const Params& P, int i, int pk, int b) {
+  if (threadIdx.x == 0) {
+    const unsigned* f = P.flags + int64_t(i - 1) * kGroups;
+    const int kind = i == P.nphase - 1 ? int(kHead) : i % 8;
+    const Gemv pg = gemv_of(P, pk), g = gemv_of(P, kind);
+    int r0 = 0, r1 = 0;
+    if (kind != kAttn) block_rows(g.R, P.nb, b, r0, r1);
+    if (pk == kPair) {  // the q absorption: the q rows of its heads; block 0 the kv rows
+      for (int h = r0 / g.rows_per_group; r1 > r0 && h <= (r1 - 1) / g.rows_per_group; ++h)
+        flow_wait(P, f + h, blocks_meeting(h * kQHead, (h + 1) * kQHead, pg.R, P.nb));  // (whole group: all count)
+      if (b == 0) flow_wait(P, f + kHeads, blocks_meeting(kHeads * kQHead, pg.R, pg.R, P.nb));
+    } else if (pk == kPrep) {  // the attention: its head's latent rows and the cache row
+      if (b < kHeads * P.splits) {
+        const int h = b / P.splits;
+        flow_wait(P, f + h, blocks_meeting(h * kLat, (h + 1) * kLat, pg.R, P.nb));
+        flow_wait(P, f + kHeads, 1);
+      }
+    } else if (pk == kAttn) {  // the value absorption: its heads' splits
+      for (int h = r0 / g.rows_per_group; r1 > r0 && h <= (r1 - 1) / g.rows_per_group; ++h)
+        flow_wait(P, f + h, unsigned(P.splits));
+    } else if (pk == kS0) {  // stage 1: its slots' rows of stage 0 and the routing
+      for (int s = r0 / g.rows_per_group; r1 > r0 && s <= (r1 - 1) / g.rows_per_group; ++s)
+        flow_wait(P, f + s, blocks_meeting(s * 2 * kInter, (s + 1) * 2 * kInter, pg.R, P.nb));
+      flow_wait(P, f + kSlots, 1);
+    }
+  }
+  __syncthreads();
+}
+
 __global__ void __launch_bounds__(kThreads, 1) persist_kernel(Params P) {
   extern __shared__ __align__(16) uint8_t smem[];
   Smem& S = *reinterpret_cast<Smem*>(smem);
@@ -512,7 +594,9 @@ __global__ void __launch_bounds__(kThreads, 1) persist_kernel(Params P) {
   const int b = blockIdx.x;
   auto kind_of = [&](int i) { return i == P.nphase - 1 ? int(kHead) : i % 8; };
   preload(P, kind_of(0), 0, b, bufs[0]);
+  unsigned barriers = 0;
   for (int i = 0; i < P.nphase; ++i) {
+    if (P.flow && i > 0 && flow_local(kind_of(i - 1))) flow_wait_for(P, i, kind_of(i - 1), b);
     // The next phase's slice, while this one runs (its rows' pointers for shared slots and the
     // dense weights do not depend on this phase).
     if (b == 0 && threadIdx.x == 0) P.rec[i] = global_ns();
@@ -521,7 +605,8 @@ __global__ void __launch_bounds__(kThreads, 1) persist_kernel(Params P) {
     cp_wait<1>();
     __syncthreads();
     run_phase(P, i, b, bufs[i & 1], S.x, S.red, S.sel, S.sw);
-    grid_barrier(P, unsigned(P.nb) * unsigned(i + 1));
+    if (P.flow && flow_local(kind_of(i))) flow_signal(P, i, kind_of(i), b);
+    else grid_barrier(P, unsigned(P.nb) * ++barriers);
   }
   if (b == 0 && threadIdx.x == 0) P.rec[P.nphase] = global_ns();
 }
@@ -557,7 +642,7 @@ double median(std::vector<double> v) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  std::string dtype = "fp8", modes = "chain,persist";
+  std::string dtype = "fp8", modes = "chain,persist,flow";
   int layers = 26, ctx = 64, reps = 20, preload_kb = 64, bps = 1, sync_only = 0, rows = 2;
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
@@ -580,7 +665,7 @@ int main(int argc, char** argv) {
     else {
       std::fprintf(stderr,
                    "usage: dsv3_cuda_step_skeleton_bench [--dtype fp8|bf16] [--layers N] [--ctx N] [--reps N] "
-                   "[--preload-kb N] [--bps N] [--rows 2|4] [--modes chain,persist] [--sync-only]\n");
+                   "[--preload-kb N] [--bps N] [--rows 2|4] [--modes chain,persist,flow] [--sync-only]\n");
       return 2;
     }
   }
@@ -646,6 +731,7 @@ int main(int argc, char** argv) {
   CK(cudaMalloc(&P.route, sizeof(int) * layers * kTopK));
   CK(cudaMemset(P.route, 0, sizeof(int) * layers * kTopK));
   CK(cudaMalloc(&P.counter, sizeof(unsigned)));
+  CK(cudaMalloc(&P.flags, sizeof(unsigned) * P.nphase * kGroups));
   CK(cudaMalloc(&P.err, sizeof(int)));
   CK(cudaMemset(P.err, 0, sizeof(int)));
   CK(cudaMalloc(&P.rec, sizeof(unsigned long long) * (P.nphase + 1)));
@@ -679,6 +765,7 @@ int main(int argc, char** argv) {
   auto reset = [&] {
     CK(cudaMemcpyAsync(P.h_attn, h0, kDim * 4, cudaMemcpyDeviceToDevice, st));
     CK(cudaMemsetAsync(P.counter, 0, sizeof(unsigned), st));
+    CK(cudaMemsetAsync(P.flags, 0, sizeof(unsigned) * P.nphase * kGroups, st));
   };
   std::vector<float> out_first;
   std::vector<float> h_first;
@@ -710,7 +797,8 @@ int main(int argc, char** argv) {
       t = time_us([&] { CK(cudaGraphLaunch(ge, st)); }, reps, st);
       CK(cudaGraphExecDestroy(ge));
       CK(cudaGraphDestroy(g));
-    } else if (mode == "persist") {
+    } else if (mode == "persist" || mode == "flow") {
+      P.flow = mode == "flow";
       int per_sm = 0;
       CK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, persist_kernel, kThreads, sm_persist));
       if (!coop || per_sm * sms < P.nb) {
@@ -727,7 +815,7 @@ int main(int argc, char** argv) {
           },
           reps, st);
     } else {
-      std::fprintf(stderr, "unknown mode %s (chain, persist)\n", mode.c_str());
+      std::fprintf(stderr, "unknown mode %s (chain, persist, flow)\n", mode.c_str());
       return 2;
     }
     CK(cudaStreamSynchronize(st));
