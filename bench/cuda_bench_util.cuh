@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cstdio>
 #include <cstdlib>
+#include <functional>
 #include <vector>
 
 #define CK(x)                                                                                  \
@@ -17,20 +18,26 @@
   } while (0)
 
 // f() timed with events on stream st, reps times after `warm` unrecorded runs: milliseconds, sorted.
+// before() runs ahead of each start event (untimed); after() once each recorded run has finished.
 template <typename F>
-std::vector<double> time_samples_ms(F f, int reps, cudaStream_t st = nullptr, int warm = 2) {
+std::vector<double> time_samples_ms(F f, int reps, cudaStream_t st = nullptr, int warm = 2,
+                                    const std::function<void()>& before = {}, const std::function<void()>& after = {}) {
   cudaEvent_t e0, e1;
   CK(cudaEventCreate(&e0));
   CK(cudaEventCreate(&e1));
   std::vector<double> t;
   for (int r = 0; r < reps + warm; ++r) {
+    if (before) before();
     CK(cudaEventRecord(e0, st));
     f();
     CK(cudaEventRecord(e1, st));
     CK(cudaEventSynchronize(e1));
     float ms = 0;
     CK(cudaEventElapsedTime(&ms, e0, e1));
-    if (r >= warm) t.push_back(ms);
+    if (r >= warm) {
+      t.push_back(ms);
+      if (after) after();
+    }
   }
   std::sort(t.begin(), t.end());
   CK(cudaEventDestroy(e0));

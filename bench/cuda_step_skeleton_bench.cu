@@ -26,6 +26,10 @@
 //                                 [--preload-kb 64] [--bps 1] [--rows 2|4] [--modes chain,persist,flow]
 //                                 [--sync-only]
 // --rows: rows of weights each lane group streams at once (four 16-byte chunks of each in flight).
+// --preload-kb up to 88: two chain kernels' blocks then still fit one SM (the next one's copy
+// overlaps the one before). --bps 2 runs only the chain (the persistent kernel's registers allow
+// one block per SM). The chain's kernel is held to 128 registers (two blocks per SM), the
+// persistent one is not.
 #include <cuda_fp8.h>
 #include <cuda_runtime.h>
 
@@ -285,27 +289,32 @@ __device__ void gemv(const Params& P, int kind, int layer, int b, const uint8_t*
 }
 
 // Routing among the layer's NE candidates: the top 6 gate outputs (lowest index on ties),
-// weights sigmoid / their sum; every routed block computes it itself, block 0 also publishes it.
+// weights sigmoid / their sum; every routed block computes it itself (warp 0, a candidate per
+// lane), block 0 also publishes it.
 __device__ void route(const Params& P, int layer, int b, int* sel, float* w) {
-  if (threadIdx.x == 0) {
-    float s[kNE];
-    for (int i = 0; i < kNE; ++i) s[i] = __ldcg(P.y_gate + i);
-    float tot = 0;
+  if (threadIdx.x < 32) {
+    const int lane = threadIdx.x;
+    float v = lane < kNE ? __ldcg(P.y_gate + lane) : -INFINITY, tot = 0;
     for (int k = 0; k < kTopK; ++k) {
-      int best = 0;
-      for (int i = 1; i < kNE; ++i)
-        if (s[i] > s[best]) best = i;
-      sel[k] = best;
-      w[kShared + k] = 1.f / (1.f + expf(-s[best]));
-      tot += w[kShared + k];
-      s[best] = -INFINITY;
+      float bv = v;
+      int bi = lane;
+#pragma unroll
+      for (int o = 16; o > 0; o >>= 1) {
+        const float ov = __shfl_xor_sync(0xffffffffu, bv, o);
+        const int oi = __shfl_xor_sync(0xffffffffu, bi, o);
+        if (ov > bv || (ov == bv && oi < bi)) bv = ov, bi = oi;
+      }
+      const float wk = 1.f / (1.f + expf(-bv));
+      tot += wk;
+      if (lane == 0) sel[k] = bi, w[kShared + k] = wk;
+      if (lane == bi) v = -INFINITY;
     }
-    for (int k = 0; k < kTopK; ++k) w[kShared + k] /= tot;
-    w[0] = w[1] = 1.f;
-    if (b == 0) {
-      for (int k = 0; k < kTopK; ++k) P.route[layer * kTopK + k] = sel[k];
-      for (int s2 = 0; s2 < kSlots; ++s2) P.route_w[layer * kSlots + s2] = w[s2];
-    }
+    __syncwarp();
+    if (lane < kTopK) w[kShared + lane] /= tot;
+    if (lane < kShared) w[lane] = 1.f;
+    __syncwarp();
+    if (b == 0 && lane < kTopK) P.route[layer * kTopK + lane] = sel[lane];
+    if (b == 0 && lane < kSlots) P.route_w[layer * kSlots + lane] = w[lane];
   }
   __syncthreads();
 }
@@ -628,12 +637,6 @@ __global__ void fill_float(float* p, int64_t n, uint32_t seed) {
   }
 }
 
-template <typename F>
-std::vector<double> time_us(F f, int reps, cudaStream_t st) {
-  std::vector<double> t = time_samples_ms(f, reps, st, 3);
-  for (double& v : t) v *= 1e3;
-  return t;
-}
 double median(std::vector<double> v) {
   std::sort(v.begin(), v.end());
   return v.empty() ? 0 : v[v.size() / 2];
@@ -670,8 +673,8 @@ int main(int argc, char** argv) {
     }
   }
   if ((dtype != "fp8" && dtype != "bf16") || layers < 1 || layers > 64 || ctx < 2 || reps < 1 || preload_kb < 17 ||
-      preload_kb > 96 || bps < 1 || bps > 2 || (rows != 2 && rows != 4)) {
-    std::fprintf(stderr, "--dtype fp8|bf16, --layers 1-64, --ctx >= 2, --reps >= 1, --preload-kb 17-96, --bps 1-2, --rows 2|4\n");
+      preload_kb > 88 || bps < 1 || bps > 2 || (rows != 2 && rows != 4)) {
+    std::fprintf(stderr, "--dtype fp8|bf16, --layers 1-64, --ctx >= 2, --reps >= 1, --preload-kb 17-88, --bps 1-2, --rows 2|4\n");
     return 2;
   }
   int dev = 0, sms = 0, coop = 0;
@@ -747,7 +750,8 @@ int main(int argc, char** argv) {
   CK(cudaMalloc(&c1, cb));
   cudaStream_t st;
   CK(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
-  const double copy_us = median(time_us([&] { CK(cudaMemcpyAsync(c1, c0, cb, cudaMemcpyDeviceToDevice, st)); }, 10, st));
+  const double copy_us =
+      1e3 * median(time_samples_ms([&] { CK(cudaMemcpyAsync(c1, c0, cb, cudaMemcpyDeviceToDevice, st)); }, 10, st));
   const double bw = 2.0 * double(cb) / (copy_us * 1e-6);  // bytes/s, read + write
   CK(cudaFree(c0));
   CK(cudaFree(c1));
@@ -762,10 +766,23 @@ int main(int argc, char** argv) {
   const size_t sm_chain = smem_bytes(P.preload, 1), sm_persist = smem_bytes(P.preload, 2);
   CK(cudaFuncSetAttribute(phase_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(sm_chain)));
   CK(cudaFuncSetAttribute(persist_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(sm_persist)));
-  auto reset = [&] {
+  auto reset = [&] {  // the step's input residual and the barrier's counters (outside the timed region)
     CK(cudaMemcpyAsync(P.h_attn, h0, kDim * 4, cudaMemcpyDeviceToDevice, st));
     CK(cudaMemsetAsync(P.counter, 0, sizeof(unsigned), st));
     CK(cudaMemsetAsync(P.flags, 0, sizeof(unsigned) * P.nphase * kGroups, st));
+  };
+  // Everything a step writes, made NaN (the routing: one wrong candidate), so that the check step
+  // after the timed ones sees any read of a value before it was written.
+  auto poison = [&] {
+    auto nan = [&](float* p, int64_t n) { CK(cudaMemsetAsync(p, 0xff, size_t(n) * 4, st)); };
+    nan(P.h_attn + kDim, int64_t(layers) * kDim), nan(P.h_moe, int64_t(layers) * kDim), nan(P.xm, kDim);
+    nan(P.y_pair, kHeads * kQHead + kKvA), nan(P.y_prep, kHeads * kLat), nan(P.part, int64_t(kHeads) * P.splits * (kLat + 2));
+    nan(P.y_vabs, kDim), nan(P.y_wo, kDim), nan(P.y_gate, kGateRows), nan(P.y_s0, kSlots * 2 * kInter);
+    nan(P.y_s1, kSlots * kDim), nan(P.route_w, int64_t(layers) * kSlots), nan(P.logits, kVocab);
+    for (int l = 0; l < layers; ++l) nan(P.cache + (int64_t(l) * ctx + ctx - 1) * kKvA, kKvA);
+    const std::vector<int> wrong(size_t(layers) * kTopK, kNE - 1);
+    CK(cudaMemcpyAsync(P.route, wrong.data(), wrong.size() * sizeof(int), cudaMemcpyHostToDevice, st));
+    CK(cudaStreamSynchronize(st));
   };
   std::vector<float> out_first;
   std::vector<float> h_first;
@@ -775,49 +792,57 @@ int main(int argc, char** argv) {
     if (e == std::string::npos) e = modes.size();
     const std::string mode = modes.substr(pos, e - pos);
     pos = e + 1;
-    std::vector<double> t;
+    cudaGraphExec_t ge = nullptr;
+    void* args[] = {&P};
     if (mode == "chain") {
       cudaGraph_t g;
-      cudaGraphExec_t ge;
       CK(cudaStreamBeginCapture(st, cudaStreamCaptureModeThreadLocal));
-      reset();
-      cudaLaunchAttribute at[1];
+      cudaLaunchAttribute at[1] = {};
       at[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
       at[0].val.programmaticStreamSerializationAllowed = 1;
       cudaLaunchConfig_t cfg{};
-      cfg.blockDim = dim3(kThreads), cfg.stream = st, cfg.attrs = at, cfg.numAttrs = 1;
+      cfg.blockDim = dim3(kThreads), cfg.stream = st, cfg.attrs = at;
       for (int i = 0; i < P.nphase; ++i) {
-        cfg.gridDim = dim3(unsigned(P.nb)), cfg.dynamicSmemBytes = sm_chain;
+        cfg.gridDim = dim3(unsigned(P.nb)), cfg.dynamicSmemBytes = sm_chain, cfg.numAttrs = i > 0;
         CK(cudaLaunchKernelEx(&cfg, phase_kernel, P, i));
       }
-      cfg.gridDim = dim3(1), cfg.dynamicSmemBytes = 0;
+      cfg.gridDim = dim3(1), cfg.dynamicSmemBytes = 0, cfg.numAttrs = 1;
       CK(cudaLaunchKernelEx(&cfg, end_kernel, P));
       CK(cudaStreamEndCapture(st, &g));
       CK(cudaGraphInstantiate(&ge, g, 0));
-      t = time_us([&] { CK(cudaGraphLaunch(ge, st)); }, reps, st);
-      CK(cudaGraphExecDestroy(ge));
       CK(cudaGraphDestroy(g));
     } else if (mode == "persist" || mode == "flow") {
       P.flow = mode == "flow";
       int per_sm = 0;
       CK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, persist_kernel, kThreads, sm_persist));
       if (!coop || per_sm * sms < P.nb) {
-        std::printf("persist: cannot run %d co-resident blocks (cooperative launch %d, %d per SM fit)\n", P.nb, coop,
-                    per_sm);
+        std::printf("\n%s: cannot run %d co-resident blocks (cooperative launch %d, %d per SM fit): skipped\n",
+                    mode.c_str(), P.nb, coop, per_sm);
         continue;
       }
-      void* args[] = {&P};
-      t = time_us(
-          [&] {
-            reset();
-            CK(cudaLaunchCooperativeKernel(reinterpret_cast<void*>(persist_kernel), dim3(unsigned(P.nb)),
-                                           dim3(kThreads), args, sm_persist, st));
-          },
-          reps, st);
     } else {
       std::fprintf(stderr, "unknown mode %s (chain, persist, flow)\n", mode.c_str());
       return 2;
     }
+    auto launch = [&] {
+      if (ge) CK(cudaGraphLaunch(ge, st));
+      else
+        CK(cudaLaunchCooperativeKernel(reinterpret_cast<void*>(persist_kernel), dim3(unsigned(P.nb)), dim3(kThreads),
+                                       args, sm_persist, st));
+    };
+    // Each step: reset, then the launch between two events; also the step inside the kernels
+    // (block 0's timer from the first phase's wait end to the end), free of the launch's cost.
+    std::vector<double> tk;
+    std::vector<unsigned long long> rec(size_t(P.nphase + 1));
+    std::vector<double> t = time_samples_ms(launch, reps, st, 3, reset, [&] {
+      CK(cudaMemcpy(rec.data(), P.rec, rec.size() * 8, cudaMemcpyDeviceToHost));
+      tk.push_back(double(rec.back() - rec.front()) / 1e3);
+    });
+    for (double& v : t) v *= 1e3;
+    if (!sync_only) poison();  // then one more step, whose outputs are compared (not without the GEMVs)
+    reset();
+    launch();
+    if (ge) CK(cudaGraphExecDestroy(ge));
     CK(cudaStreamSynchronize(st));
     int err = 0;
     CK(cudaMemcpy(&err, P.err, sizeof err, cudaMemcpyDeviceToHost));
@@ -825,25 +850,27 @@ int main(int argc, char** argv) {
       std::printf("%s: the grid barrier timed out; its numbers are meaningless\n", mode.c_str());
       return 1;
     }
-    std::vector<unsigned long long> rec(size_t(P.nphase + 1));
-    CK(cudaMemcpy(rec.data(), P.rec, rec.size() * 8, cudaMemcpyDeviceToHost));
     std::vector<float> logits(kVocab), h(size_t(kDim) * (layers + 1));
     CK(cudaMemcpy(logits.data(), P.logits, kVocab * 4, cudaMemcpyDeviceToHost));
     CK(cudaMemcpy(h.data(), P.h_attn, h.size() * 4, cudaMemcpyDeviceToHost));
     bool finite = true;
     for (float v : logits) finite = finite && std::isfinite(v);
-    if (out_first.empty()) out_first = logits, h_first = h;
-    else {
-      auto rel = [](const std::vector<float>& a, const std::vector<float>& b) {
-        double d = 0, m = 0;
-        for (size_t k = 0; k < a.size(); ++k) d = std::max(d, double(std::fabs(a[k] - b[k]))), m = std::max(m, double(std::fabs(a[k])));
-        return std::isfinite(d) ? d / std::max(m, 1e-30) : 1.0;
-      };
-      worst = std::max({worst, rel(out_first, logits), rel(h_first, h)});
-    }
-    const double step = t[t.size() / 2];
-    std::printf("\n%-8s step %8.1f us (min %.1f, max %.1f over %d), %6.1f tok/s, %5.1f%% of the floor; logits %s\n",
-                mode.c_str(), step, t.front(), t.back(), reps, 1e6 / step, 100.0 * floor_us / step,
+    auto rel = [](const std::vector<float>& a, const std::vector<float>& b) {  // NaN anywhere: 1
+      double d = 0, m = 0;
+      for (size_t k = 0; k < a.size(); ++k) {
+        const double e = std::fabs(double(a[k]) - double(b[k]));
+        if (!std::isfinite(e)) return 1.0;
+        d = std::max(d, e), m = std::max(m, std::fabs(double(a[k])));
+      }
+      return d / std::max(m, 1e-30);
+    };
+    if (!sync_only && out_first.empty()) out_first = logits, h_first = h;
+    else if (!sync_only) worst = std::max({worst, rel(out_first, logits), rel(h_first, h)});
+    const double step = t[t.size() / 2], kstep = median(tk);
+    std::printf("\n%-8s step %8.1f us (min %.1f, max %.1f over %d), %6.1f tok/s", mode.c_str(), step, t.front(),
+                t.back(), reps, 1e6 / step);
+    if (!sync_only) std::printf(", %5.1f%% of the floor", 100.0 * floor_us / step);
+    std::printf("; inside the kernels %.1f us (%.1f tok/s); logits %s\n", kstep, 1e6 / kstep,
                 finite ? "finite" : "NOT FINITE");
     std::printf("  %-36s %9s %9s\n", "phase (median over layers)", "us", "us/step");
     double total = 0;
@@ -860,6 +887,7 @@ int main(int argc, char** argv) {
     }
     std::printf("  %-36s %9s %9.1f (first wait to the end, last recorded step)\n", "sum", "", total);
   }
+  if (sync_only) return 0;
   // The modes run the same device functions in the same order; only the compiler's choices inside
   // the two kernels may differ (contractions), so anything past rounding means a race.
   std::printf("\nmodes' outputs (logits, residuals) differ by at most %.2e relative%s\n", worst,
