@@ -95,6 +95,7 @@ wait
 fail=0
 ls "$B"/FAILED_* > /dev/null 2>&1 && fail=1
 cat $B/obj/*.cu.o.log > "$OUT/ptxas.txt" 2>/dev/null
+[ -n "${SKEL_ARGS:-}" ] && cat "$B/skel.o.log" >> "$OUT/ptxas.txt" 2>/dev/null
 LIBS="-L/usr/local/cuda/lib64 -lcublas -lcublasLt -lcudart -lpthread"
 # Links bench_NAME: the main build's objects but its kernels (with a source tree of its own, but
 # the CUDA backend's host code and the benchmark as well), and NAME's.  alt_link NAME SRC_TREE
