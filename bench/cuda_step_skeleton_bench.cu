@@ -93,6 +93,9 @@ struct Params {
   unsigned long long* rec;  // [nphase + 1]: block 0's global timer at each phase's start
 };
 
+// Phase i of the step: layer i / 8's phase i % 8, the last one the head.
+__host__ __device__ __forceinline__ int phase_kind(int i, int nphase) { return i == nphase - 1 ? int(kHead) : i % 8; }
+
 __device__ __forceinline__ unsigned long long global_ns() {
   unsigned long long t;
   asm volatile("mov.u64 %0, %globaltimer;" : "=l"(t));
@@ -484,7 +487,7 @@ __global__ void __launch_bounds__(kThreads, 2) phase_kernel(Params P, int i) {
   extern __shared__ __align__(16) uint8_t smem[];
   Smem& S = *reinterpret_cast<Smem*>(smem);
   uint8_t* buf = smem + sizeof(Smem);
-  const int kind = i == P.nphase - 1 ? kHead : i % 8;
+  const int kind = phase_kind(i, P.nphase);
   // Stage 0's routed rows depend on the routing, so only the shared slots' rows come ahead; the
   // rows' pointers for shared slots do not read the routing.
   preload(P, kind, i / 8, blockIdx.x, buf);
@@ -500,26 +503,6 @@ __global__ void end_kernel(Params P) {
   if (threadIdx.x == 0) P.rec[P.nphase] = global_ns();
 }
 
-// The grid barrier: each block adds one to the counter and polls until it reaches nb * (n + 1)
-// for its n-th barrier. 0.2 s without progress sets the error flag and lets every block go.
-__device__ void grid_barrier(const Params& P, unsigned target) {
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    unsigned now;
-    __threadfence();
-    asm volatile("red.release.gpu.global.add.u32 [%0], 1;" ::"l"(P.counter) : "memory");
-    const unsigned long long t0 = global_ns();
-    for (;;) {
-      asm volatile("ld.acquire.gpu.u32 %0, [%1];" : "=r"(now) : "l"(P.counter) : "memory");
-      if (now >= target) break;
-      if (*reinterpret_cast<volatile int*>(P.err) || global_ns() - t0 > 200000000ull) {
-        atomicExch(P.err, 1);
-        break;
-      }
-    }
-  }
-  __syncthreads();
-}
 // Flow: after the pair, the q absorption, the attention and stage 0, a block does not wait for
 // the whole grid but only for the blocks that wrote the rows it reads: per head (the pair's
 // q rows of it, the absorption's latent rows, the attention's splits) or per slot (stage 0's
@@ -531,8 +514,10 @@ __device__ __forceinline__ bool flow_local(int kind) { return kind == kPair || k
 __device__ __forceinline__ int pair_group(int r) { return r < kHeads * kQHead ? r / kQHead : kHeads; }
 __device__ __forceinline__ int block_of(int r, int R, int nb) { return int((int64_t(r + 1) * nb + R - 1) / R) - 1; }
 __device__ int blocks_meeting(int a, int c, int R, int nb) { return block_of(c - 1, R, nb) - block_of(a, R, nb) + 1; }
-__device__ void flow_add(unsigned* f) { asm volatile("red.release.gpu.global.add.u32 [%0], 1;" ::"l"(f) : "memory"); }
-__device__ void flow_wait(const Params& P, const unsigned* f, unsigned n) {
+// One more at *f (releasing this block's writes); waiting until *f reaches n (acquiring theirs).
+// 0.2 s without progress sets the error flag and lets every block go.
+__device__ void count_add(unsigned* f) { asm volatile("red.release.gpu.global.add.u32 [%0], 1;" ::"l"(f) : "memory"); }
+__device__ void wait_count(const Params& P, const unsigned* f, unsigned n) {
   unsigned now;
   const unsigned long long t0 = global_ns();
   for (;;) {
@@ -544,6 +529,18 @@ __device__ void flow_wait(const Params& P, const unsigned* f, unsigned n) {
     }
   }
 }
+// The grid barrier: each block adds one to the counter and waits until it reaches nb * n for
+// its n-th barrier.
+__device__ void grid_barrier(const Params& P, unsigned target) {
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    __threadfence();
+    count_add(P.counter);
+    wait_count(P, P.counter, target);
+  }
+  __syncthreads();
+}
+
 // Block b has finished phase i (of a kind with local consumers): count it in its groups.
 __device__ void flow_signal(const Params& P, int i, int kind, int b) {
   __syncthreads();
@@ -554,43 +551,43 @@ __device__ void flow_signal(const Params& P, int i, int kind, int b) {
   int r0, r1;
   block_rows(g.R, P.nb, b, r0, r1);
   if (kind == kAttn) {
-    if (b < kHeads * P.splits) flow_add(f + b / P.splits);
+    if (b < kHeads * P.splits) count_add(f + b / P.splits);
     return;
   }
   if (r1 > r0) {
     const int g0 = kind == kPair ? pair_group(r0) : r0 / g.rows_per_group;
     const int g1 = kind == kPair ? pair_group(r1 - 1) : (r1 - 1) / g.rows_per_group;
-    for (int k = g0; k <= g1; ++k) flow_add(f + k);
+    for (int k = g0; k <= g1; ++k) count_add(f + k);
   }
-  if (b == 0 && kind == kPrep) flow_add(f + kHeads);  // the cache row
-  if (b == 0 && kind == kS0) flow_add(f + kSlots);     // the routing
+  if (b == 0 && kind == kPrep) count_add(f + kHeads);  // the cache row
+  if (b == 0 && kind == kS0) count_add(f + kSlots);     // the routing
 }
 // Before phase i (whose predecessor, phase i - 1 of kind pk, had local consumers): wait for
 // the rows block b reads.
 __device__ void flow_wait_for(const Params& P, int i, int pk, int b) {
   if (threadIdx.x == 0) {
     const unsigned* f = P.flags + int64_t(i - 1) * kGroups;
-    const int kind = i == P.nphase - 1 ? int(kHead) : i % 8;
+    const int kind = phase_kind(i, P.nphase);
     const Gemv pg = gemv_of(P, pk), g = gemv_of(P, kind);
     int r0 = 0, r1 = 0;
     if (kind != kAttn) block_rows(g.R, P.nb, b, r0, r1);
     if (pk == kPair) {  // the q absorption: the q rows of its heads; block 0 the kv rows
       for (int h = r0 / g.rows_per_group; r1 > r0 && h <= (r1 - 1) / g.rows_per_group; ++h)
-        flow_wait(P, f + h, blocks_meeting(h * kQHead, (h + 1) * kQHead, pg.R, P.nb));  // (whole group: all count)
-      if (b == 0) flow_wait(P, f + kHeads, blocks_meeting(kHeads * kQHead, pg.R, pg.R, P.nb));
+        wait_count(P, f + h, blocks_meeting(h * kQHead, (h + 1) * kQHead, pg.R, P.nb));  // (whole group: all count)
+      if (b == 0) wait_count(P, f + kHeads, blocks_meeting(kHeads * kQHead, pg.R, pg.R, P.nb));
     } else if (pk == kPrep) {  // the attention: its head's latent rows and the cache row
       if (b < kHeads * P.splits) {
         const int h = b / P.splits;
-        flow_wait(P, f + h, blocks_meeting(h * kLat, (h + 1) * kLat, pg.R, P.nb));
-        flow_wait(P, f + kHeads, 1);
+        wait_count(P, f + h, blocks_meeting(h * kLat, (h + 1) * kLat, pg.R, P.nb));
+        wait_count(P, f + kHeads, 1);
       }
     } else if (pk == kAttn) {  // the value absorption: its heads' splits
       for (int h = r0 / g.rows_per_group; r1 > r0 && h <= (r1 - 1) / g.rows_per_group; ++h)
-        flow_wait(P, f + h, unsigned(P.splits));
+        wait_count(P, f + h, unsigned(P.splits));
     } else if (pk == kS0) {  // stage 1: its slots' rows of stage 0 and the routing
       for (int s = r0 / g.rows_per_group; r1 > r0 && s <= (r1 - 1) / g.rows_per_group; ++s)
-        flow_wait(P, f + s, blocks_meeting(s * 2 * kInter, (s + 1) * 2 * kInter, pg.R, P.nb));
-      flow_wait(P, f + kSlots, 1);
+        wait_count(P, f + s, blocks_meeting(s * 2 * kInter, (s + 1) * 2 * kInter, pg.R, P.nb));
+      wait_count(P, f + kSlots, 1);
     }
   }
   __syncthreads();
@@ -601,20 +598,19 @@ __global__ void __launch_bounds__(kThreads, 1) persist_kernel(Params P) {
   Smem& S = *reinterpret_cast<Smem*>(smem);
   uint8_t* bufs[2] = {smem + sizeof(Smem), smem + sizeof(Smem) + P.preload};
   const int b = blockIdx.x;
-  auto kind_of = [&](int i) { return i == P.nphase - 1 ? int(kHead) : i % 8; };
-  preload(P, kind_of(0), 0, b, bufs[0]);
+  preload(P, phase_kind(0, P.nphase), 0, b, bufs[0]);
   unsigned barriers = 0;
   for (int i = 0; i < P.nphase; ++i) {
-    if (P.flow && i > 0 && flow_local(kind_of(i - 1))) flow_wait_for(P, i, kind_of(i - 1), b);
+    if (P.flow && i > 0 && flow_local(phase_kind(i - 1, P.nphase))) flow_wait_for(P, i, phase_kind(i - 1, P.nphase), b);
     // The next phase's slice, while this one runs (its rows' pointers for shared slots and the
     // dense weights do not depend on this phase).
     if (b == 0 && threadIdx.x == 0) P.rec[i] = global_ns();
-    if (i + 1 < P.nphase) preload(P, kind_of(i + 1), (i + 1) / 8, b, bufs[(i + 1) & 1]);
+    if (i + 1 < P.nphase) preload(P, phase_kind(i + 1, P.nphase), (i + 1) / 8, b, bufs[(i + 1) & 1]);
     else cp_commit();
     cp_wait<1>();
     __syncthreads();
     run_phase(P, i, b, bufs[i & 1], S.x, S.red, S.sel, S.sw);
-    if (P.flow && flow_local(kind_of(i))) flow_signal(P, i, kind_of(i), b);
+    if (P.flow && flow_local(phase_kind(i, P.nphase))) flow_signal(P, i, phase_kind(i, P.nphase), b);
     else grid_barrier(P, unsigned(P.nb) * ++barriers);
   }
   if (b == 0 && threadIdx.x == 0) P.rec[P.nphase] = global_ns();
@@ -897,7 +893,7 @@ int main(int argc, char** argv) {
     for (int k = 0; k < kKinds; ++k) {
       std::vector<double> d;
       for (int i = 0; i < P.nphase; ++i) {
-        const int kind = i == P.nphase - 1 ? int(kHead) : i % 8;
+        const int kind = phase_kind(i, P.nphase);
         if (kind == k) d.push_back(double(rec[size_t(i) + 1] - rec[size_t(i)]) / 1e3);
       }
       double sum = 0;
