@@ -253,7 +253,6 @@ int main(int argc, char** argv) {
   check_layouts(lt, st);
 
   CudaOptions o = CudaOptions::from_env();
-  o.pair_gemv = false;  // every call its own launch (the backend would pair calls on the same input)
   auto be = make_cuda_backend(o);
   struct Shape {
     const char* name;

@@ -8,8 +8,8 @@
 //   dsv3_cuda_bench [--dtypes bf16,fp8] [--steps 64] [--json FILE] [--quick] [--profile] [--prefill-only]
 //                   [--ctx N]   (decode after N prefilled positions per row; default 16)
 //                   [--generate] (also Generator::run, greedy, argmax on the device vs the host sampler)
-//                   [--decode-only] [--variants default,nopf,...]   (only the named runs; ko-attn+gate:
-//                   the default without those kernel groups, CudaOptions::knockout)
+//                   [--decode-only] [--variants default,unfused,...]   (only the named runs; unfused and
+//                   no-<fusion>: the step graph without its fusions or without one)
 // --profile adds a run that times every op and kernel group with events (no graphs).
 #include <cuda_runtime.h>
 
@@ -26,8 +26,9 @@
 #include "tools/anchors_h200.h"
 #include "backend/cuda/cuda_backend.h"
 #include "backend/cuda/kernels.h"
-#include "model/model.h"
+#include "runtime/model.h"
 #include "runtime/generate.h"
+#include "runtime/rewrites.h"
 
 using namespace dsv3;
 
@@ -95,6 +96,7 @@ struct Variant {
   CudaOptions opt;
   bool decode, prefill;
   bool profile = false;
+  uint32_t rewrites = kRewritesAll;  // the step graph's fusions (ModelOptions::rewrites)
 };
 
 }  // namespace
@@ -163,6 +165,7 @@ int main(int argc, char** argv) {
     return 2;
   }
   try {
+    if (std::getenv("DSV3_CUDA_TRACE")) cuda::trace_begin();  // (a DSV3_TRACE=1 build's kernel trace)
     cudaDeviceProp prop;
     cudaGetDeviceProperties(&prop, 0);
     const double bw = cuda::copy_bandwidth_gbps(size_t(2) << 30, 20);
@@ -181,41 +184,25 @@ int main(int argc, char** argv) {
         o.fast = true;
         vars.push_back({"fast", o, false, true});
         o = base;
-        o.flash = false;  // the long-run attention as cuBLAS scores, a softmax kernel and cuBLAS values
-        vars.push_back({"noflash", o, false, true});
-        o.fast = true;
-        vars.push_back({"noflash-fast", o, false, true});
-        o = base;
         o.graphs = false;
         vars.push_back({"nograph", o, true, false});
         o = base;
         o.pdl = false;
         vars.push_back({"nopdl", o, true, false});
         o = base;
-        o.tc_gemv_max = 0;  // decode GEMVs on the FMA kernels (kernels_gemv.cu) only
+        o.tune.tcv_max = 0;  // decode GEMVs on the FMA kernels (kernels_gemv.cu) only
         vars.push_back({"fma-gemv", o, true, false});
         o = base;
-        o.tc_gemv_bf16_min = 1;  // the tensor-core GEMV for bf16 weights at one token too
+        o.tune.tcv_bf16_min = 1;  // the tensor-core GEMV for bf16 weights at one token too
         vars.push_back({"tcv-bf16", o, true, false});
         o = base;
-        o.decode_attn_warps = false;  // the decode attention's score, softmax and value passes
-        vars.push_back({"attn-passes", o, true, false});
-        o = base;
-        o.qabs_vec = false;  // the decode q absorption element-wise
-        vars.push_back({"qabs-scalar", o, true, false});
-        o = base;
-        o.tc_min = 8;  // eight tokens on the pipelined GEMM instead of the GEMVs
+        o.tune.tc_min = 8;  // eight tokens on the pipelined GEMM instead of the GEMVs
         vars.push_back({"gemm-b8", o, true, false});
         o = base;
-        o.tc_min = 1 << 30;  // prefill on the first-generation WMMA kernel and CUDA-core attention
+        o.tune.tc_min = 1 << 30;  // prefill on the first-generation WMMA kernel and CUDA-core attention
         vars.push_back({"wmma", o, false, true});
         o = base;
-        o.wg_async = true;  // one wgmma group in flight
-        vars.push_back({"wg-async", o, false, true});
-        o.fast = true;
-        vars.push_back({"wg-async-fast", o, false, true});
-        o = base;
-        o.wgmma = false;  // the pipelined kernel's mma.sync form
+        o.tune.wgmma = false;  // the pipelined kernel's mma.sync form
         vars.push_back({"mma.sync", o, false, true});
         o.fast = true;
         vars.push_back({"mma.sync-fast", o, false, true});
@@ -228,40 +215,21 @@ int main(int argc, char** argv) {
         vars.push_back({"profile-fast", o, false, true, true});
       }
       auto asked = [&](const std::string& name) { return std::find(only.begin(), only.end(), name) != only.end(); };
-      for (int hb : {1, 2})  // dec-hH-sS (asked for only): the decode attention with H heads per block, <= S splits
-        for (int cap : {0, 1, 2, 4, 8, 16, 32, 64}) {
-          const std::string name = "dec-h" + std::to_string(hb) + "-s" + std::to_string(cap);
-          if (!asked(name)) continue;
-          CudaOptions o = base;
-          o.decode_heads = hb, o.decode_splits = cap;
-          vars.push_back({name, o, true, false});
-        }
-      for (int pad : {1, 4, -1, -4}) {  // pad-N (asked for only): N empty kernels per MoE layer (-wide: 2 blocks per SM)
-        const std::string name = "pad-" + std::to_string(std::abs(pad)) + (pad < 0 ? "-wide" : "");
-        if (!asked(name)) continue;
+      // (asked for only) the step graph without some of its fusions (runtime/rewrites.h): none at
+      // all, or all but one
+      const std::pair<const char*, uint32_t> unfused[] = {
+          {"unfused", 0u},
+          {"no-add-norm-moe", kRewritesAll & ~kRewriteAddRmsNormMoe},
+          {"no-combine-pair", kRewritesAll & ~kRewriteCombineIntoPair},
+          {"no-combine-norm", kRewritesAll & ~(kRewriteMoeCombineIntoNorm | kRewriteCombineIntoPair)},
+          {"no-linear-pair", kRewritesAll & ~(kRewriteLinearPair | kRewriteCombineIntoPair)}};
+      for (auto [name, rw] : unfused)
+        if (asked(name)) vars.push_back({name, base, true, true, false, rw});
+      if (asked("gate-route")) {  // one token routed by the gate kernel's last block, not the experts'
         CudaOptions o = base;
-        o.pad_kernels = pad;
-        vars.push_back({name, o, true, false});
+        o.tune.route_in_experts = false;
+        vars.push_back({"gate-route", o, true, false});
       }
-      // (asked for only) one token's decode with one of its fusions off: the attention's splits
-      // combined by its last block, the add + norm before the gate on its own, the routing by the
-      // gate kernel's last block, the MoE combine + norm on its own
-      for (auto [name, off] : {std::pair{"attn-combine", &CudaOptions::vabs_splits},
-                               std::pair{"norm-alone", &CudaOptions::norm_in_gate},
-                               std::pair{"combine-alone", &CudaOptions::combine_in_gemv},
-                               std::pair{"gate-route", &CudaOptions::route_in_experts}})
-        if (asked(name)) {
-          CudaOptions o = base;
-          o.*off = false;
-          vars.push_back({name, o, true, false});
-        }
-      for (const std::string& v : only)  // ko-a+b: the default with kernel groups a and b not launched
-        if (v.rfind("ko-", 0) == 0) {
-          CudaOptions o = base;
-          o.knockout = v.substr(3);
-          std::replace(o.knockout.begin(), o.knockout.end(), '+', ',');
-          vars.push_back({v, o, true, false});
-        }
       if (!only.empty())
         vars.erase(std::remove_if(vars.begin(), vars.end(),
                                   [&](const Variant& v) { return !asked(v.name); }),
@@ -275,7 +243,8 @@ int main(int argc, char** argv) {
         int64_t all_bytes = 0;
         for (auto& [k, b] : st.bytes_by_dtype) all_bytes += b;
         ModelOptions mo;
-        mo.max_slots = 8;
+        mo.rewrites = v.rewrites;
+        mo.max_seqs = 8;
         mo.max_len = std::max(1024 + 64, ctx + 8 + steps + 8);
         Model model(a, std::move(w), std::move(be), mo);
         const int V = a.vocab_size;

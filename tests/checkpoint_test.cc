@@ -12,7 +12,7 @@
 #include "golden_util.h"
 #include "io/checkpoint.h"
 #include "io/safetensors.h"
-#include "model/model.h"
+#include "runtime/model.h"
 
 using namespace dsv3;
 using namespace dsv3::testing_util;
@@ -169,7 +169,7 @@ TEST(ReferenceLayout, LoadsShortNamesWithModelArgsJson) {
     }
     write_safetensors(d + "/model0-mp1.safetensors", list);
     ModelOptions opt;
-    opt.max_slots = 4;
+    opt.max_seqs = 4;
     Model m(Checkpoint::open(d, case_dir(c) + "/ref_config.json"), make_ref_backend(), opt);
     EXPECT_EQ(m.checkpoint().layout(), "reference");
     SafetensorsFile g(case_dir(c) + "/golden.safetensors");

@@ -28,7 +28,8 @@
 #include "core/thread_pool.h"
 #include "golden_util.h"
 #include "io/safetensors.h"
-#include "model/model.h"
+#include "runtime/model.h"
+#include "paged_util.h"
 #include "model/rope.h"
 
 using namespace dsv3;
@@ -422,8 +423,10 @@ TEST(CpuBackend, LinearNormEmbedMatchRef) {
       TensorView tv{DType::BF16, {50, 20}, table.data()};
       int32_t tok[3] = {49, 0, 7};
       std::vector<float> ea(60), eb(60);
-      bp.cpu->embed(tok, 3, tv, ea.data());
-      bp.ref->embed(tok, 3, tv, eb.data());
+      Step st;
+      st.tokens = tok, st.n = 3;
+      bp.cpu->embed(st, tv, ea.data());
+      bp.ref->embed(st, tv, eb.data());
       EXPECT_EQ(ea, eb);
     }
 }
@@ -500,14 +503,16 @@ TEST(CpuBackend, AbsorbedMlaMatchesRef) {
     std::mt19937 rng(8);
     const int64_t H = a.n_heads, qk = a.qk_head_dim(), C = a.kv_lora_rank, R = a.qk_rope_head_dim, V = a.v_head_dim;
     const int slots = 3, max_len = a.max_seq_len;
+    const test::Paged paged(slots, max_len);
+    const RopeView rv = test::rope_view(rope);
     for (cpu::Isa isa : isas())
       for (int threads : {1, 3}) {
         BackendPair bp(isa, threads);
         std::vector<float> ckv[2], cpe[2];
         LayerCache cache[2];
         for (int b = 0; b < 2; ++b) {
-          ckv[b].assign(size_t(slots * max_len * C), 0.f);
-          cpe[b].assign(size_t(slots * max_len * R), 0.f);
+          ckv[b].assign(size_t(paged.rows() * C), 0.f);
+          cpe[b].assign(size_t(paged.rows() * R), 0.f);
           cache[b].kv = ckv[b].data();
           cache[b].pe = cpe[b].data();
         }
@@ -526,8 +531,11 @@ TEST(CpuBackend, AbsorbedMlaMatchesRef) {
           const int64_t n = int64_t(tp.size());
           std::vector<float> q = randn(size_t(n * H * qk), rng), kv = randn(size_t(n * (C + R)), rng);
           std::vector<float> q2 = q, kv2 = kv, oa(size_t(n * H * V)), ob(size_t(n * H * V));
-          bp.cpu->mla(a, AttnImpl::kAbsorb, f.attn, rope, tp.data(), n, q.data(), kv.data(), cache[0], max_len, oa.data());
-          bp.ref->mla(a, AttnImpl::kAbsorb, f.attn, rope, tp.data(), n, q2.data(), kv2.data(), cache[1], max_len, ob.data());
+          const Step st = paged.step(tp);
+          MlaCall c{&a, AttnImpl::kAbsorb, &f.attn, &rv, &st, &cache[0], q.data(), kv.data(), oa.data()};
+          bp.cpu->mla(c);
+          c.cache = &cache[1], c.q = q2.data(), c.kv = kv2.data(), c.out = ob.data();
+          bp.ref->mla(c);
           EXPECT_LT(rel_err(oa, ob), op_tol(isa)) << cpu::isa_name(isa) << " fp8 " << fp8 << " n " << n;
         }
         EXPECT_LT(rel_err(ckv[0], ckv[1]), 1e-6);
@@ -608,7 +616,7 @@ TEST_P(CpuGolden, MeetsTheBf16Bar) {
   SafetensorsFile g(case_dir(p.name) + "/golden.safetensors");
   ModelOptions opt;
   opt.attn = p.attn;
-  opt.max_slots = 4;
+  opt.max_seqs = 4;
   Model model(Checkpoint::open(case_dir(p.name) + "/hf"), make_cpu_backend(cpu::isa_name(p.isa)), opt);
   const int V = model.args().vocab_size;
   std::vector<double> errs, step_errs;  // per row; per step, as the table
@@ -665,25 +673,28 @@ INSTANTIATE_TEST_SUITE_P(Cases, CpuGolden, ::testing::ValuesIn(golden_params()),
 
 namespace {
 
-// --kv-cache-gb: the cache is cut to the budget and a request past it is a clear error.
-TEST(KvCacheBudget, CutsMaxLenAndNamesTheBudgetWhenExceeded) {
+// --kv-cache-gb: the cache holds the blocks the budget pays for, and a request past them is a
+// clear error naming the positions and the option.
+TEST(KvCacheBudget, HoldsWhatTheBudgetPaysForAndNamesItWhenExceeded) {
   const std::string dir = case_dir("v3_fp8") + "/hf";
   ModelOptions opt;
-  opt.max_slots = 4;
+  opt.max_seqs = 4;
   auto probe = Checkpoint::open(dir);
-  const int64_t per_pos = kv_cache_bytes_per_position(probe->args(), AttnImpl::kAbsorb);
-  opt.kv_cache_gb = double(4 * 10 * per_pos + 100) / 1e9;  // 10 positions per sequence
+  const int64_t per_pos = KvCache::bytes_per_position(probe->args(), AttnImpl::kAbsorb);
+  opt.kv_cache_gb = double(2 * 64 * per_pos + 100) / 1e9;  // two blocks of 64 positions
   Model model(std::move(probe), make_cpu_backend(), opt);
-  EXPECT_EQ(model.max_len(), 10);
-  EXPECT_EQ(model.kv_cache_bytes(), 4 * 10 * per_pos);
-  std::vector<int32_t> toks(10, 3);
-  std::vector<float> logits(size_t(model.args().vocab_size));
-  model.forward(toks.data(), 1, 10, 0, logits.data());  // fills positions 0..9: fits
+  EXPECT_EQ(model.kv_cache().n_blocks(), 2);
+  EXPECT_EQ(model.kv_cache().bytes(), 2 * 64 * per_pos);
+  std::vector<int32_t> toks(100, 3);
+  std::vector<float> logits(size_t(model.args().vocab_size) * 2);
+  model.forward(toks.data(), 1, 100, 0, logits.data());  // positions 0..99: two blocks, fits
   try {
-    model.forward(toks.data(), 1, 1, 10, logits.data());
-    FAIL() << "position 10 should not fit";
+    model.forward(toks.data(), 2, 1, 0, logits.data());  // a second sequence: no block left
+    FAIL() << "a second sequence should not fit";
   } catch (const Error& e) {
     EXPECT_NE(std::string(e.what()).find("--kv-cache-gb"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("out of KV cache: 1 more positions needed, 0 free of the 128"),
+              std::string::npos) << e.what();
   }
   ModelOptions tiny = opt;
   tiny.kv_cache_gb = 1e-9;

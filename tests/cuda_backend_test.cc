@@ -26,9 +26,11 @@
 #include "backend/ref/fp8.h"
 #include "golden_util.h"
 #include "io/checkpoint.h"
+#include "paged_util.h"
+#include "runtime/rewrites.h"
 #include "io/safetensors.h"
 #include "model/gate.h"
-#include "model/model.h"
+#include "runtime/model.h"
 #include "model/rope.h"
 #include "runtime/generate.h"
 #include "runtime/sampler.h"
@@ -47,31 +49,68 @@ namespace {
 CudaOptions opts(bool fast = false, int gemv_max = 8, bool graphs = true, int tc_min = 1 << 30) {
   CudaOptions o;
   o.fast = fast;
-  o.gemv_max = gemv_max;
+  o.tune.gemv_max = gemv_max;
   o.graphs = graphs;
-  o.tc_min = tc_min;
-  o.fast_min = 1;
+  o.tune.tc_min = tc_min;
+  o.tune.fast_min = 1;
   return o;
 }
 // Test modes of the product paths: 0 GEMV up to 8 tokens, WMMA GEMM beyond; 1 WMMA from one
 // token; 2 as 0 in fast mode; 3 the pipelined kernel (kernels_tc.cu) from one token (its wgmma
 // form on Hopper where K % 64 == 0; tiles of 64 rows for bf16 weights, 128 for e4m3); 4 as 3
 // fast; 5 as 3 with 128-row tiles for every weight (two warpgroups in the wgmma form); 6 as 3 on
-// mma.sync; 7 as 3 with the wgmma form's in-flight MMA group (and 8 the same fast); 9 as 5 on
-// mma.sync; 10 as 3 with 64-row tiles for every weight and the MoE stages' operands never
-// swapped (tc_swap 0; by default they are for e4m3 weights and in fast mode: weight rows as the
-// wgmma's M, tokens as its N); 11 as 3 with them always swapped, 12 the same fast.
-constexpr int kModes = 13;
+// mma.sync; 7 as 5 on mma.sync; 8 as 3 with 64-row tiles for every weight and the MoE stages'
+// operands never swapped (tc_swap 0; by default they are for e4m3 weights and in fast mode:
+// weight rows as the wgmma's M, tokens as its N); 9 as 3 with them always swapped, 10 the same fast.
+constexpr int kModes = 11;
 CudaOptions mode_opts(int mode) {
   const bool fast = mode == 2 || mode == 4;
   CudaOptions o = opts(fast, mode == 0 || mode == 2 ? 8 : 0, true, mode >= 3 ? 1 : 1 << 30);
-  if (mode == 5 || mode == 9) o.tc_tm = 128;
-  if (mode == 10) o.tc_tm = 64, o.tc_swap = 0;
-  if (mode == 11 || mode == 12) o.tc_swap = 2, o.fast = mode == 12;
-  if (mode == 6 || mode == 9) o.wgmma = false;
-  if (mode == 7 || mode == 8) o.wg_async = true, o.fast = mode == 8;
+  if (mode == 5 || mode == 7) o.tune.tc_tm = 128;
+  if (mode == 8) o.tune.tc_tm = 64, o.tune.tc_swap = 0;
+  if (mode == 9 || mode == 10) o.tune.tc_swap = 2, o.fast = mode == 10;
+  if (mode == 6 || mode == 7) o.tune.wgmma = false;
   return o;
 }
+
+// A step graph built by hand over device buffers, run with the backend's fusions (rewrites)
+// or without: how the fusions are tested op by op. plan() returns the fused nodes as text.
+struct MiniGraph {
+  StepGraph g;
+  Step step;
+  std::vector<int32_t> tokens;
+  std::vector<TokenPos> pos;
+  MiniGraph(const ModelArgs& a, int64_t n) : tokens(size_t(n), 0), pos(size_t(n), TokenPos{0, 0}) {
+    g.args = &a, g.n = n;
+    step.tokens = tokens.data(), step.pos = pos.data(), step.n = n;
+  }
+  int value(const char* name, float* p, int64_t rows, int64_t cols) {
+    g.values.push_back({name, p, rows, cols, cols});
+    return int(g.values.size()) - 1;
+  }
+  Op& op(OpKind k, const char* name, int in, int out) {
+    Op o;
+    o.kind = k, o.name = name, o.in = in, o.out = out;
+    g.ops.push_back(o);
+    return g.ops.back();
+  }
+  void linear(int in, const Linear& w, int out) { op(OpKind::kLinear, "linear", in, out).linear = &w; }
+  void rmsnorm(int in, const TensorView& w, float eps, int out) {
+    Op& o = op(OpKind::kRmsNorm, "rmsnorm", in, out);
+    o.weight = &w, o.eps = eps;
+  }
+  // Runs the graph with `rewrites`; returns the fused nodes ("fusion;fusion;..."; "+defer" marks a
+  // MoE whose combine the next node does).
+  std::string run(Backend& be, uint32_t rewrites) {
+    plan(g, be, rewrites);
+    std::string fused;
+    for (const Node& nd : g.nodes)
+      if (nd.fusion != Fusion::kNone || nd.defer_combine)
+        fused += std::string(fusion_name(nd.fusion)) + (nd.defer_combine ? "+defer" : "") + ";";
+    be.run(g, step);
+    return fused;
+  }
+};
 
 std::vector<float> randn(size_t n, uint32_t seed, float scale = 1.f) {
   std::mt19937 g(seed);
@@ -159,6 +198,19 @@ std::vector<float> pos_words(const cuda::DevPos* p, size_t n) {
   return std::vector<float>(w, w + 2 * n);
 }
 
+// A paged fixture's block tables in device memory, and MlaDims reading the cache through them.
+struct DevTables {
+  Dev words;
+  DevTables(Backend& be, const test::Paged& p)
+      : words(be, std::vector<float>(reinterpret_cast<const float*>(p.table.data()),
+                                     reinterpret_cast<const float*>(p.table.data()) + p.table.size())) {}
+  void set(cuda::MlaDims& d, const test::Paged& p) const {
+    d.table = reinterpret_cast<const int32_t*>(words.p), d.table_w = p.width, d.max_len = p.width * p.block;
+    d.block_shift = 0;
+    while ((1 << d.block_shift) < p.block) ++d.block_shift;
+  }
+};
+
 // (infinite where either side holds a NaN the other does not, or the sizes differ)
 double max_abs_diff(const std::vector<float>& a, const std::vector<float>& b) {
   if (a.size() != b.size()) return INFINITY;
@@ -185,10 +237,12 @@ TEST(CudaOps, Embed) {
     w.embed = table;
     cuda->prepare_weights(ModelArgs{}, w);
     const std::vector<int32_t> tok = {3, 0, 49, 17, 17, 8, 21};
+    Step st;
+    st.tokens = tok.data(), st.n = int64_t(tok.size());
     Dev y(*cuda, tok.size() * 72);
-    cuda->embed(tok.data(), int64_t(tok.size()), w.embed, y.p);
+    cuda->embed(st, w.embed, y.p);
     std::vector<float> want(tok.size() * 72);
-    make_ref_backend()->embed(tok.data(), int64_t(tok.size()), table, want.data());
+    make_ref_backend()->embed(st, table, want.data());
     EXPECT_EQ(max_abs_diff(y.get(), want), 0.0);
   }
 }
@@ -411,51 +465,36 @@ TEST(CudaOps, TensorCoreGemvMatchesRef) {
   }
 }
 
-// Two linears on the same activations share one GEMV launch (the first waits for the next op):
-// both outputs match the ref backend; a linear on other activations, an rmsnorm or an add in
-// between each run the waiting one first (its output is read right after).
+// Two linears of the same activations as one node (linear_pair: one GEMV launch for few tokens):
+// both outputs match the ref backend, fused and not, for every weight dtype the GEMVs take; the
+// plan says the pair fused where gemv2 takes the weights (bf16, e4m3).
 TEST(CudaOps, LinearPairMatchesRef) {
   REQUIRE_GPU();
   auto ref = make_ref_backend();
   auto cuda = make_cuda_backend(opts());
+  ModelArgs a;
   for (DType t : {DType::BF16, DType::F8_E4M3, DType::F32}) {
     for (int64_t n : {1, 3, 8}) {
       const int64_t in = 256;
-      HostLinear h1 = make_linear(t, 300, in, 11), h2 = make_linear(t, 40, in, 12), h3 = make_linear(t, 72, in, 13);
-      const Linear d1 = to_device(*cuda, h1.lin), d2 = to_device(*cuda, h2.lin), d3 = to_device(*cuda, h3.lin);
-      const std::vector<float> x = randn(size_t(n * in), 14), x2 = randn(size_t(n * in), 15);
-      std::vector<float> w1(size_t(n * 300)), w2(size_t(n * 40)), w3(size_t(n * 72));
+      HostLinear h1 = make_linear(t, 300, in, 11), h2 = make_linear(t, 40, in, 12);
+      const Linear d1 = to_device(*cuda, h1.lin), d2 = to_device(*cuda, h2.lin);
+      const std::vector<float> x = randn(size_t(n * in), 14);
+      std::vector<float> w1(size_t(n * 300)), w2(size_t(n * 40));
       ref->linear(x.data(), n, h1.lin, w1.data());
       ref->linear(x.data(), n, h2.lin, w2.data());
-      ref->linear(x2.data(), n, h3.lin, w3.data());
-      Dev dx(*cuda, x), dx2(*cuda, x2), y1(*cuda, w1.size()), y2(*cuda, w2.size()), y3(*cuda, w3.size());
-      const double tol = 2e-6;
-      // paired
-      cuda->linear(dx.p, n, d1, y1.p);
-      cuda->linear(dx.p, n, d2, y2.p);
-      EXPECT_LE(rel_l2(y1.get().data(), w1.data(), w1.size()), tol) << dtype_name(t) << " n " << n << " first";
-      EXPECT_LE(rel_l2(y2.get().data(), w2.data(), w2.size()), tol) << dtype_name(t) << " n " << n << " second";
-      // other activations: not paired, both right
-      Dev z1(*cuda, w1.size()), z3(*cuda, w3.size());
-      cuda->linear(dx.p, n, d1, z1.p);
-      cuda->linear(dx2.p, n, d3, z3.p);
-      EXPECT_LE(rel_l2(z1.get().data(), w1.data(), w1.size()), tol) << dtype_name(t) << " n " << n << " unpaired";
-      EXPECT_LE(rel_l2(z3.get().data(), w3.data(), w3.size()), tol) << dtype_name(t) << " n " << n << " other x";
-      // an rmsnorm and an add reading the waiting output
-      std::vector<uint16_t> nb(300);
-      for (int i = 0; i < 300; ++i) nb[size_t(i)] = f32_to_bf16(0.5f + 0.01f * float(i % 7));
-      const TensorView nw{DType::BF16, {300}, nb.data()};
-      const TensorView dnw = to_device(*cuda, nw);
-      std::vector<float> want_n(w1.size()), want_a(w1.size());
-      ref->rmsnorm(w1.data(), n, 300, 300, nw, 1e-6f, want_n.data());
-      for (size_t e = 0; e < w1.size(); ++e) want_a[e] = w1[e] + w1[e];
-      Dev r1(*cuda, w1.size()), r2(*cuda, w1.size()), s1(*cuda, w1.size());
-      cuda->linear(dx.p, n, d1, r1.p);
-      cuda->rmsnorm(r1.p, n, 300, 300, dnw, 1e-6f, r2.p);
-      EXPECT_LE(rel_l2(r2.get().data(), want_n.data(), want_n.size()), 1e-5) << dtype_name(t) << " n " << n << " norm";
-      cuda->linear(dx.p, n, d1, s1.p);
-      cuda->add(s1.p, r1.p, n * 300);
-      EXPECT_LE(rel_l2(s1.get().data(), want_a.data(), want_a.size()), tol) << dtype_name(t) << " n " << n << " add";
+      for (uint32_t rw : {uint32_t(kRewritesAll), 0u}) {
+        Dev dx(*cuda, x), y1(*cuda, w1.size()), y2(*cuda, w2.size());
+        MiniGraph m(a, n);
+        const int vx = m.value("x", dx.p, n, in), v1 = m.value("y1", y1.p, n, 300), v2 = m.value("y2", y2.p, n, 40);
+        m.linear(vx, d1, v1);
+        m.linear(vx, d2, v2);
+        const std::string fused = m.run(*cuda, rw);
+        const std::string what = str(dtype_name(t), " n ", n, rw ? " fused" : " unfused");
+        if (rw && t != DType::F32) EXPECT_EQ(fused, "linear_pair;") << what;
+        if (!rw) EXPECT_EQ(fused, "") << what;
+        EXPECT_LE(rel_l2(y1.get().data(), w1.data(), w1.size()), 2e-6) << what << " first";
+        EXPECT_LE(rel_l2(y2.get().data(), w2.data(), w2.size()), 2e-6) << what << " second";
+      }
     }
   }
 }
@@ -467,7 +506,8 @@ TEST(CudaOps, LinearPairMatchesRef) {
 TEST(CudaOps, TensorCoreLinearPairMatchesRef) {
   REQUIRE_GPU();
   auto ref = make_ref_backend();
-  for (int mode : {3, 4, 5, 6, 10}) {
+  ModelArgs a;
+  for (int mode : {3, 4, 5, 6, 8}) {
     CudaOptions o = mode_opts(mode);
     o.profile = true;
     auto cuda = make_cuda_backend(o);
@@ -482,8 +522,11 @@ TEST(CudaOps, TensorCoreLinearPairMatchesRef) {
         ref->linear(x.data(), n, h2.lin, w2.data());
         Dev dx(*cuda, x), y1(*cuda, w1.size()), y2(*cuda, w2.size());
         cuda::profile_report(*cuda, true);
-        cuda->linear(dx.p, n, d1, y1.p);
-        cuda->linear(dx.p, n, d2, y2.p);
+        MiniGraph m(a, n);
+        const int vx = m.value("x", dx.p, n, in), v1 = m.value("y1", y1.p, n, 300), v2 = m.value("y2", y2.p, n, 72);
+        m.linear(vx, d1, v1);
+        m.linear(vx, d2, v2);
+        m.run(*cuda, kRewritesAll);
         const std::string what = str(dtype_name(t), " n ", n, " mode ", mode);
         EXPECT_LE(rel_l2(y1.get().data(), w1.data(), w1.size()), 3e-5) << what << " first";
         EXPECT_LE(rel_l2(y2.get().data(), w2.data(), w2.size()), 3e-5) << what << " second";
@@ -670,14 +713,12 @@ TEST(CudaOps, MoeDecodePathsMatchRef) {
       keep.push_back(make_linear(DType::BF16, a.n_routed_experts, a.dim, 4242));
       L.moe_w.gate = keep.back().lin.weight;
       // 0: default (tensor cores: e4m3, bf16 from 2 tokens), 1: bf16 at 1 too, 2: FMA only;
-      // 3 and 4: 0 and 2 with one token routed by the gate kernel's last block, not the experts';
-      // 5: the default with one e4m3 token on the FMA GEMVs (fp8_fma_one)
-      for (int path = 0; path < 6; ++path) {
+      // 3 and 4: 0 and 2 with one token routed by the gate kernel's last block, not the experts'
+      for (int path = 0; path < 5; ++path) {
         CudaOptions o = opts();
-        o.tc_gemv_bf16_min = path == 1 ? 1 : (path == 0 || path == 3 || path == 5 ? 2 : 0);
-        if (path == 2 || path == 4) o.tc_gemv_max = 0;
-        o.route_in_experts = path < 3 || path == 5;
-        if (path == 5) o.fp8_fma_one = 2;
+        o.tune.tcv_bf16_min = path == 1 ? 1 : (path == 0 || path == 3 ? 2 : 0);
+        if (path == 2 || path == 4) o.tune.tcv_max = 0;
+        o.tune.route_in_experts = path < 3;
         auto cuda = make_cuda_backend(o);
         ModelWeights dev = host;
         cuda->prepare_weights(a, dev);
@@ -695,8 +736,9 @@ TEST(CudaOps, MoeDecodePathsMatchRef) {
   }
 }
 
-// The layer loop's "h += moe(x); x = rmsnorm(h)" becomes one kernel (un-permute, residual add,
-// norm): both of its forms, float4 (aligned rows) and per element (h one float off alignment).
+// The layer loop's "y = moe(x); h += y; x2 = rmsnorm(h)" with the MoE's combine deferred into one
+// kernel with the add and the norm (moe_combine_into_norm) and unfused: both forms of that kernel,
+// float4 (aligned rows) and per element (h one float off alignment).
 TEST(CudaOps, MoeAddNormFusedMatchesRef) {
   REQUIRE_GPU();
   auto ref = make_ref_backend();
@@ -715,15 +757,22 @@ TEST(CudaOps, MoeAddNormFusedMatchesRef) {
       ref->rmsnorm(rh.data(), n, D, D, hl.ffn_norm, a.rms_norm_eps, rx.data());
       std::vector<float> hpad(size_t(n * D + 1), 0.f);
       std::copy(h.begin(), h.end(), hpad.begin() + shift);
-      Dev xd(*cuda, x), yd(*cuda, size_t(n * D)), hd(*cuda, hpad), od(*cuda, size_t(n * D));
-      float* hp = hd.p + shift;
-      cuda->moe(a, dl.moe_w, xd.p, n, yd.p);
-      cuda->add(hp, yd.p, n * D);
-      cuda->rmsnorm(hp, n, D, D, dl.ffn_norm, a.rms_norm_eps, od.p);
-      std::vector<float> gh = hd.get();
-      EXPECT_LE(rel_l2(od.get().data(), rx.data(), rx.size()), 5e-5) << "n=" << n << " shift " << shift;
-      EXPECT_LE(rel_l2(gh.data() + shift, rh.data(), rh.size()), 5e-5) << "n=" << n << " shift " << shift;
-      EXPECT_LE(rel_l2(yd.get().data(), y.data(), y.size()), 5e-5) << "n=" << n << " shift " << shift;
+      for (uint32_t rw : {uint32_t(kRewriteMoeCombineIntoNorm), 0u}) {
+        Dev xd(*cuda, x), yd(*cuda, size_t(n * D)), hd(*cuda, hpad), od(*cuda, size_t(n * D));
+        MiniGraph m(a, n);
+        const int vx = m.value("x", xd.p, n, D), vy = m.value("y", yd.p, n, D), vh = m.value("h", hd.p + shift, n, D),
+                  vo = m.value("o", od.p, n, D);
+        m.op(OpKind::kMoe, "ffn", vx, vy).moe = &dl.moe_w;
+        m.op(OpKind::kAdd, "add", vy, vh);
+        m.rmsnorm(vh, dl.ffn_norm, a.rms_norm_eps, vo);
+        const std::string fused = m.run(*cuda, rw);
+        const std::string what = str("n=", n, " shift ", shift, rw ? " fused" : " unfused");
+        EXPECT_EQ(fused, rw ? "none+defer;combine_add_rmsnorm;" : "") << what;
+        std::vector<float> gh = hd.get();
+        EXPECT_LE(rel_l2(od.get().data(), rx.data(), rx.size()), 5e-5) << what;
+        EXPECT_LE(rel_l2(gh.data() + shift, rh.data(), rh.size()), 5e-5) << what;
+        EXPECT_LE(rel_l2(yd.get().data(), y.data(), y.size()), 5e-5) << what;
+      }
     }
   }
 }
@@ -739,90 +788,91 @@ void each_moe_case(Backend& cuda, F f) {
 }
 
 // One token's "h += r; x = ffn_norm(h); y = moe(x)" with the add + norm done by the gate kernel
-// (norm_in_gate) or on its own, and the same add + norm followed by a linear instead (the kept
-// norm launched first): x, h and y against the reference ops.
+// (add_rmsnorm_moe), by its own kernel (add_rmsnorm) or unfused, and the same add + norm followed
+// by a linear instead: x, h and y against the reference ops, and the plan the rewrites made.
 TEST(CudaOps, AddNormIntoGateMatchesRef) {
   REQUIRE_GPU();
   auto ref = make_ref_backend();
-  for (bool in_gate : {true, false}) {
-    CudaOptions o = opts();
-    o.norm_in_gate = in_gate;
-    auto cuda = make_cuda_backend(o);
-    each_moe_case(*cuda, [&](const std::string& c, const TwoWeights& W, const auto& hl, const auto& dl) {
-      const ModelArgs& a = W.a;
-      const int64_t D = a.dim;
-      const std::vector<float> h0 = randn(size_t(D), 71), r = randn(size_t(D), 72);
-      std::vector<float> rh = h0, rx(static_cast<size_t>(D)), ry(static_cast<size_t>(D)),
-          rq(static_cast<size_t>(hl.attn.wkv_a.out()));
-      ref->add(rh.data(), r.data(), D);
-      ref->rmsnorm(rh.data(), 1, D, D, hl.ffn_norm, a.rms_norm_eps, rx.data());
-      ref->moe(a, hl.moe_w, rx.data(), 1, ry.data());
-      ref->linear(rx.data(), 1, hl.attn.wkv_a, rq.data());
+  auto cuda = make_cuda_backend(opts());
+  each_moe_case(*cuda, [&](const std::string& c, const TwoWeights& W, const auto& hl, const auto& dl) {
+    const ModelArgs& a = W.a;
+    const int64_t D = a.dim;
+    const std::vector<float> h0 = randn(size_t(D), 71), r = randn(size_t(D), 72);
+    std::vector<float> rh = h0, rx(static_cast<size_t>(D)), ry(static_cast<size_t>(D)),
+        rq(static_cast<size_t>(hl.attn.wkv_a.out()));
+    ref->add(rh.data(), r.data(), D);
+    ref->rmsnorm(rh.data(), 1, D, D, hl.ffn_norm, a.rms_norm_eps, rx.data());
+    ref->moe(a, hl.moe_w, rx.data(), 1, ry.data());
+    ref->linear(rx.data(), 1, hl.attn.wkv_a, rq.data());
+    for (uint32_t rw : {uint32_t(kRewriteAddRmsNormMoe | kRewriteAddRmsNorm), uint32_t(kRewriteAddRmsNorm), 0u})
       for (bool then_moe : {true, false}) {
-        const std::string what = str(c, in_gate ? " in the gate" : " alone", then_moe ? ", then moe" : ", then a linear");
+        const std::string what = str(c, " rewrites ", rw, then_moe ? ", then moe" : ", then a linear");
         Dev hd(*cuda, h0), rd(*cuda, r), xd(*cuda, size_t(D)), yd(*cuda, size_t(then_moe ? D : rq.size()));
-        cuda->add(hd.p, rd.p, D);
-        cuda->rmsnorm(hd.p, 1, D, D, dl.ffn_norm, a.rms_norm_eps, xd.p);
-        if (then_moe) cuda->moe(a, dl.moe_w, xd.p, 1, yd.p);
-        else cuda->linear(xd.p, 1, dl.attn.wkv_a, yd.p);
+        MiniGraph m(a, 1);
+        const int vh = m.value("h", hd.p, 1, D), vr = m.value("r", rd.p, 1, D), vx = m.value("x", xd.p, 1, D),
+                  vy = m.value("y", yd.p, 1, then_moe ? D : int64_t(rq.size()));
+        m.op(OpKind::kAdd, "add", vr, vh);
+        m.rmsnorm(vh, dl.ffn_norm, a.rms_norm_eps, vx);
+        if (then_moe) m.op(OpKind::kMoe, "ffn", vx, vy).moe = &dl.moe_w;
+        else m.linear(vx, dl.attn.wkv_a, vy);
+        const std::string fused = m.run(*cuda, rw);
+        const bool gate = then_moe && (rw & kRewriteAddRmsNormMoe);
+        EXPECT_EQ(fused, gate ? "add_rmsnorm_moe;" : (rw ? "add_rmsnorm;" : "")) << what;
         EXPECT_LE(rel_l2(hd.get().data(), rh.data(), rh.size()), 1e-6) << what;
         EXPECT_LE(rel_l2(xd.get().data(), rx.data(), rx.size()), 1e-6) << what;
         const std::vector<float>& want = then_moe ? ry : rq;
         EXPECT_LE(rel_l2(yd.get().data(), want.data(), want.size()), 5e-5) << what;
       }
-    });
-  }
+  });
 }
 
 // One token's "y = moe(x); h += y; x2 = attn_norm(h); q = wq x2; kv = wkv_a x2" with the MoE combine
-// + add + norm done by the paired GEMV's blocks (combine_in_gemv) or on its own: y, h, x2 and both
-// products against the reference ops, and (profiled) which form ran: the bf16 cases take the
-// fused one, FP8 (the tensor-core GEMV) and the option off launch the combine alone.
+// + add + norm done by the paired GEMV's blocks (combine_into_pair), by its own kernel before the
+// pair (moe_combine_into_norm, linear_pair), or unfused: y, h, x2 and both products against the
+// reference ops, and the plan the rewrites made.
 TEST(CudaOps, MoeCombineIntoPairedGemvMatchesRef) {
   REQUIRE_GPU();
   auto ref = make_ref_backend();
-  // fma_one: one e4m3 token's linears on the FMA GEMVs (the default) or the tensor-core GEMV
-  for (auto [in_pair, fma_one] : {std::pair{true, 1}, std::pair{false, 1}, std::pair{true, 0}}) {
-    CudaOptions o = opts(false, 8, false);
-    o.combine_in_gemv = in_pair;
-    o.fp8_fma_one = fma_one;
-    o.profile = true;
-    auto cuda = make_cuda_backend(o);
-    each_moe_case(*cuda, [&](const std::string& c, const TwoWeights& W, const auto& hl, const auto& dl) {
-      const ModelArgs& a = W.a;
-      const int64_t D = a.dim;
-      const bool lora = a.q_lora_rank > 0;
-      const Linear& hq = lora ? hl.attn.wq_a : hl.attn.wq;
-      const Linear& dq = lora ? dl.attn.wq_a : dl.attn.wq;
-      const std::vector<float> x0 = randn(size_t(D), 81), h0 = randn(size_t(D), 82);
-      std::vector<float> rh = h0, ry(static_cast<size_t>(D)), rx(static_cast<size_t>(D)),
-          rq(static_cast<size_t>(hq.out())), rkv(static_cast<size_t>(hl.attn.wkv_a.out()));
-      ref->moe(a, hl.moe_w, x0.data(), 1, ry.data());
-      ref->add(rh.data(), ry.data(), D);
-      ref->rmsnorm(rh.data(), 1, D, D, hl.attn_norm, a.rms_norm_eps, rx.data());
-      ref->linear(rx.data(), 1, hq, rq.data());
-      ref->linear(rx.data(), 1, hl.attn.wkv_a, rkv.data());
+  auto cuda = make_cuda_backend(opts(false, 8, false));
+  each_moe_case(*cuda, [&](const std::string& c, const TwoWeights& W, const auto& hl, const auto& dl) {
+    const ModelArgs& a = W.a;
+    const int64_t D = a.dim;
+    const bool lora = a.q_lora_rank > 0;
+    const Linear& hq = lora ? hl.attn.wq_a : hl.attn.wq;
+    const Linear& dq = lora ? dl.attn.wq_a : dl.attn.wq;
+    const std::vector<float> x0 = randn(size_t(D), 81), h0 = randn(size_t(D), 82);
+    std::vector<float> rh = h0, ry(static_cast<size_t>(D)), rx(static_cast<size_t>(D)),
+        rq(static_cast<size_t>(hq.out())), rkv(static_cast<size_t>(hl.attn.wkv_a.out()));
+    ref->moe(a, hl.moe_w, x0.data(), 1, ry.data());
+    ref->add(rh.data(), ry.data(), D);
+    ref->rmsnorm(rh.data(), 1, D, D, hl.attn_norm, a.rms_norm_eps, rx.data());
+    ref->linear(rx.data(), 1, hq, rq.data());
+    ref->linear(rx.data(), 1, hl.attn.wkv_a, rkv.data());
+    const uint32_t all = kRewritesAll, apart = kRewritesAll & ~kRewriteCombineIntoPair;
+    for (uint32_t rw : {all, apart, 0u}) {
       Dev xd(*cuda, x0), hd(*cuda, h0), yd(*cuda, size_t(D)), x2(*cuda, size_t(D)), qd(*cuda, rq.size()),
           kvd(*cuda, rkv.size());
-      cuda::profile_report(*cuda, true);
-      cuda->moe(a, dl.moe_w, xd.p, 1, yd.p);
-      cuda->add(hd.p, yd.p, D);
-      cuda->rmsnorm(hd.p, 1, D, D, dl.attn_norm, a.rms_norm_eps, x2.p);
-      cuda->linear(x2.p, 1, dq, qd.p);
-      cuda->linear(x2.p, 1, dl.attn.wkv_a, kvd.p);
-      const std::string what = str(c, in_pair ? " in the paired GEMV" : " alone", " fp8_fma_one ", fma_one);
+      MiniGraph m(a, 1);
+      const int vx = m.value("x", xd.p, 1, D), vy = m.value("y", yd.p, 1, D), vh = m.value("h", hd.p, 1, D),
+                vx2 = m.value("x2", x2.p, 1, D), vq = m.value("q", qd.p, 1, int64_t(rq.size())),
+                vkv = m.value("kv", kvd.p, 1, int64_t(rkv.size()));
+      m.op(OpKind::kMoe, "ffn", vx, vy).moe = &dl.moe_w;
+      m.op(OpKind::kAdd, "add", vy, vh);
+      m.rmsnorm(vh, dl.attn_norm, a.rms_norm_eps, vx2);
+      m.linear(vx2, dq, vq);
+      m.linear(vx2, dl.attn.wkv_a, vkv);
+      const std::string fused = m.run(*cuda, rw);
+      const std::string what = str(c, " rewrites ", rw);
+      EXPECT_EQ(fused, rw == all ? "none+defer;combine_add_rmsnorm_pair;"
+                                 : (rw ? "none+defer;combine_add_rmsnorm;linear_pair;" : ""))
+          << what;
       EXPECT_LE(rel_l2(yd.get().data(), ry.data(), ry.size()), 5e-5) << what;
       EXPECT_LE(rel_l2(hd.get().data(), rh.data(), rh.size()), 5e-5) << what;
       EXPECT_LE(rel_l2(x2.get().data(), rx.data(), rx.size()), 5e-5) << what;
       EXPECT_LE(rel_l2(qd.get().data(), rq.data(), rq.size()), 5e-5) << what;
       EXPECT_LE(rel_l2(kvd.get().data(), rkv.data(), rkv.size()), 5e-5) << what;
-      const std::string rep = cuda::profile_report(*cuda, true);
-      EXPECT_NE(rep.find("linear pair"), std::string::npos) << what << "\n" << rep;
-      // (FP8 on the tensor-core GEMV: the combine alone)
-      const bool fused = in_pair && (c != "v3_fp8" || fma_one >= 1);
-      EXPECT_EQ(rep.find("moe.combine+add+rmsnorm") == std::string::npos, fused) << what << "\n" << rep;
-    });
-  }
+    }
+  });
 }
 
 // MLA of a mixed call: three decode tokens in slots with cached history and a 7-token chunk
@@ -837,12 +887,16 @@ TEST(CudaOps, MlaMatchesRef) {
     const int64_t H = a.n_heads, qk = a.qk_head_dim(), C = a.kv_lora_rank, R = a.qk_rope_head_dim, V = a.v_head_dim;
     const int slots = 4, max_len = 40;
     RopeTable rope(a, max_len);
+    const test::Paged paged(slots, max_len);
+    Dev rope_dev(*cuda, std::vector<float>(rope.at(0), rope.at(0) + size_t(max_len) * size_t(2 * rope.half())));
+    const RopeView hrope = test::rope_view(rope), drope = test::rope_view(rope, rope_dev.p);
     std::vector<TokenPos> tp = {{0, 5}, {1, 0}, {2, 33}};
     for (int t = 0; t < 7; ++t) tp.push_back({3, t});
     const int64_t n = int64_t(tp.size());
+    const Step st = paged.step(tp);
     for (AttnImpl impl : {AttnImpl::kAbsorb, AttnImpl::kNaive}) {
       const bool absorb = impl == AttnImpl::kAbsorb;
-      const size_t rows = size_t(slots * max_len);
+      const size_t rows = size_t(paged.rows());
       std::vector<float> c1 = randn(rows * size_t(absorb ? C : H * qk), 21), c2 = randn(rows * size_t(absorb ? R : H * V), 22);
       std::vector<float> q = randn(size_t(n * H * qk), 23), kv = randn(size_t(n * (C + R)), 24);
       // Ref on host copies.
@@ -850,12 +904,12 @@ TEST(CudaOps, MlaMatchesRef) {
       LayerCache rcache;
       (absorb ? rcache.kv : rcache.k) = rc1.data();
       (absorb ? rcache.pe : rcache.v) = rc2.data();
-      ref->mla(a, impl, W.host.layers[1].attn, rope, tp.data(), n, rq.data(), rkv.data(), rcache, max_len, rout.data());
+      ref->mla({&a, impl, &W.host.layers[1].attn, &hrope, &st, &rcache, rq.data(), rkv.data(), rout.data()});
       Dev d1(*cuda, c1), d2(*cuda, c2), dq(*cuda, q), dkv(*cuda, kv), dout(*cuda, size_t(n * H * V));
       LayerCache dcache;
       (absorb ? dcache.kv : dcache.k) = d1.p;
       (absorb ? dcache.pe : dcache.v) = d2.p;
-      cuda->mla(a, impl, W.dev.layers[1].attn, rope, tp.data(), n, dq.p, dkv.p, dcache, max_len, dout.p);
+      cuda->mla({&a, impl, &W.dev.layers[1].attn, &drope, &st, &dcache, dq.p, dkv.p, dout.p});
       const char* mode = absorb ? "absorb" : "naive";
       // 10 tokens: the tensor-core GEMM (hi + lo bf16 parts) for wkv_b, ~1e-5
       const double tol = 5e-5;
@@ -866,9 +920,9 @@ TEST(CudaOps, MlaMatchesRef) {
   }
 }
 
-// The prefill form of absorbed MLA (cuBLAS scores/values over runs of a slot, in chunks of 256
-// queries, q absorption as batched bf16 GEMMs, the output projection on the pipelined kernel):
-// a 280-token run after 10 cached positions plus a decode token of another slot.
+// The prefill form of absorbed MLA (the run's latent rows gathered from their blocks, the flash
+// kernel or cuBLAS scores/values, the output projection on the pipelined kernel): a 280-token run
+// after 10 cached positions plus a decode token of another sequence.
 TEST(CudaOps, MlaLongRunMatchesRef) {
   REQUIRE_GPU();
   auto ref = make_ref_backend();
@@ -880,21 +934,25 @@ TEST(CudaOps, MlaLongRunMatchesRef) {
       const int64_t H = a.n_heads, qk = a.qk_head_dim(), C = a.kv_lora_rank, R = a.qk_rope_head_dim, V = a.v_head_dim;
       const int slots = 2, max_len = 300;
       RopeTable rope(a, max_len);
+      const test::Paged paged(slots, max_len);
+      Dev rope_dev(*cuda, std::vector<float>(rope.at(0), rope.at(0) + size_t(max_len) * size_t(2 * rope.half())));
+      const RopeView hrope = test::rope_view(rope), drope = test::rope_view(rope, rope_dev.p);
       std::vector<TokenPos> tp = {{0, 20}};
       for (int t = 10; t < 290; ++t) tp.push_back({1, t});
       const int64_t n = int64_t(tp.size());
-      const size_t rows = size_t(slots * max_len);
+      const Step st = paged.step(tp);
+      const size_t rows = size_t(paged.rows());
       std::vector<float> c1 = randn(rows * size_t(C), 31), c2 = randn(rows * size_t(R), 32);
       std::vector<float> q = randn(size_t(n * H * qk), 33), kv = randn(size_t(n * (C + R)), 34);
       std::vector<float> rc1 = c1, rc2 = c2, rq = q, rkv = kv, rout(size_t(n * H * V));
       LayerCache rcache;
       rcache.kv = rc1.data(), rcache.pe = rc2.data();
-      ref->mla(a, AttnImpl::kAbsorb, W.host.layers[1].attn, rope, tp.data(), n, rq.data(), rkv.data(), rcache, max_len,
-               rout.data());
+      ref->mla({&a, AttnImpl::kAbsorb, &W.host.layers[1].attn, &hrope, &st, &rcache, rq.data(), rkv.data(),
+                rout.data()});
       Dev d1(*cuda, c1), d2(*cuda, c2), dq(*cuda, q), dkv(*cuda, kv), dout(*cuda, size_t(n * H * V));
       LayerCache dcache;
       dcache.kv = d1.p, dcache.pe = d2.p;
-      cuda->mla(a, AttnImpl::kAbsorb, W.dev.layers[1].attn, rope, tp.data(), n, dq.p, dkv.p, dcache, max_len, dout.p);
+      cuda->mla({&a, AttnImpl::kAbsorb, &W.dev.layers[1].attn, &drope, &st, &dcache, dq.p, dkv.p, dout.p});
       const double tol = fast ? 1e-2 : 5e-5;  // fast: scores and values on bf16 tensor cores
       EXPECT_LE(rel_l2(dout.get().data(), rout.data(), rout.size()), tol) << c << (fast ? " fast" : "");
       EXPECT_LE(rel_l2(d1.get().data(), rc1.data(), rc1.size()), 5e-5) << c << " cache kv";
@@ -904,79 +962,85 @@ TEST(CudaOps, MlaLongRunMatchesRef) {
 }
 
 // The one-launch decode attention (scores, softmax, latent sum, split combination by the last
-// block) at the real models' latent shape against double on the host: tokens at the first, a
-// middle and the last cache position, several position splits and passes; launched twice to show
-// the split counters are left zeroed.
+// block) at the real models' latent shape against double on the host, reading the cache through
+// block tables of 16-position blocks interleaved across sequences: tokens at the first, a middle
+// and the last cache position, several position splits; launched twice to show the split
+// counters are left zeroed.
 TEST(CudaOps, DecodeAttentionMatchesFloat64) {
   REQUIRE_GPU();
   auto cuda = make_cuda_backend(opts());
+  const test::Paged paged(4, 2048);
+  const KvView kvv = paged.view();
+  DevTables tables(*cuda, paged);
   cuda::MlaDims d;
-  d.H = 16, d.nope = 128, d.R = 64, d.C = 512, d.V = 128, d.max_len = 2048, d.scale = 0.0721f;
+  d.H = 16, d.nope = 128, d.R = 64, d.C = 512, d.V = 128, d.scale = 0.0721f;
+  tables.set(d, paged);
   const std::vector<cuda::DevPos> tp = {{0, 0}, {1, 700}, {2, 2047}, {3, 40}};  // 41: a few 16-row chunks
-  const int64_t n = int64_t(tp.size()), H = d.H, C = d.C, R = d.R, qk = d.qk(), ML = d.max_len;
+  const int64_t n = int64_t(tp.size()), H = d.H, C = d.C, R = d.R, qk = d.qk();
   ASSERT_TRUE(cuda::mla_decode_ok(d, n, 4096));
   const std::vector<float> qa = randn(size_t(n * H * C), 51), q = randn(size_t(n * H * qk), 52),
-                           ckv = randn(size_t(4 * ML * C), 53, 0.5f), cpe = randn(size_t(4 * ML * R), 54, 0.5f);
+                           ckv = randn(size_t(paged.rows() * C), 53, 0.5f), cpe = randn(size_t(paged.rows() * R), 54, 0.5f);
   std::vector<float> want(size_t(n * H * C));
   for (int64_t i = 0; i < n; ++i)
     for (int64_t h = 0; h < H; ++h) {
-      const int64_t len = tp[size_t(i)].pos + 1, row0 = int64_t(tp[size_t(i)].slot) * ML;
+      const int64_t len = tp[size_t(i)].pos + 1;
       std::vector<double> sc(static_cast<size_t>(len));
       double mx = -1e300, sum = 0;
       for (int64_t t = 0; t < len; ++t) {
+        const int64_t row = kvv.row(tp[size_t(i)].slot, t);
         double v = 0;
-        for (int64_t c = 0; c < C; ++c) v += double(qa[size_t((i * H + h) * C + c)]) * ckv[size_t((row0 + t) * C + c)];
-        for (int64_t c = 0; c < R; ++c)
-          v += double(q[size_t((i * H + h) * qk + d.nope + c)]) * cpe[size_t((row0 + t) * R + c)];
+        for (int64_t c = 0; c < C; ++c) v += double(qa[size_t((i * H + h) * C + c)]) * ckv[size_t(row * C + c)];
+        for (int64_t c = 0; c < R; ++c) v += double(q[size_t((i * H + h) * qk + d.nope + c)]) * cpe[size_t(row * R + c)];
         sc[size_t(t)] = v * d.scale;
         mx = std::max(mx, sc[size_t(t)]);
       }
       for (auto& v : sc) sum += (v = std::exp(v - mx));
       for (int64_t c = 0; c < C; ++c) {
         double o = 0;
-        for (int64_t t = 0; t < len; ++t) o += sc[size_t(t)] * ckv[size_t((row0 + t) * C + c)];
+        for (int64_t t = 0; t < len; ++t) o += sc[size_t(t)] * ckv[size_t(kvv.row(tp[size_t(i)].slot, t) * C + c)];
         want[size_t((i * H + h) * C + c)] = float(o / sum);
       }
     }
   EXPECT_GT(cuda::mla_decode_splits(d, n), 3) << "the case is meant to split the positions";
   Dev dqa(*cuda, qa), dq(*cuda, q), dkv(*cuda, ckv), dpe(*cuda, cpe), cnt(*cuda, 4096);
   Dev dpos(*cuda, pos_words(tp.data(), tp.size()));
+  auto args = [&](int ns, int hb, Dev& part, Dev& ml, Dev& out) {
+    cuda::DecodeAttn da;
+    da.qa = dqa.p, da.q = dq.p, da.cache_kv = dkv.p, da.cache_pe = dpe.p, da.nsplit = ns, da.part = part.p;
+    da.ml = ml.p, da.counters = reinterpret_cast<unsigned*>(cnt.p), da.ol = out.p, da.hb = hb;
+    return da;
+  };
   for (int hb : {2, 1})  // heads per block
     for (int ns : {cuda::mla_decode_splits(d, n, 0, hb), 3, 1}) {
       Dev part(*cuda, size_t(ns * n * H * C)), ml(*cuda, size_t(ns * n * H * 2));
-      for (int rep = 0; rep < 4; ++rep) {  // both forms, twice each (the counters reset)
-        const bool warps = rep < 2;
+      for (int rep = 0; rep < 2; ++rep) {  // twice (the counters reset)
         Dev out(*cuda, std::vector<float>(want.size(), std::nanf("")));
         cuda::Launch L;
-        cuda::mla_decode_attn(L, d, reinterpret_cast<const cuda::DevPos*>(dpos.p), n, dqa.p, dq.p, dkv.p, dpe.p, ns,
-                              part.p, ml.p, reinterpret_cast<unsigned*>(cnt.p), out.p, warps, hb);
+        cuda::mla_decode_attn(L, d, reinterpret_cast<const cuda::DevPos*>(dpos.p), n, args(ns, hb, part, ml, out));
         ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
         const std::vector<float> got = out.get();
         for (size_t e = 0; e < got.size(); ++e) ASSERT_TRUE(std::isfinite(got[e])) << "unwritten or NaN at " << e;
         EXPECT_LE(rel_l2(got.data(), want.data(), got.size()), 1e-5)
-            << ns << " splits, launch " << rep << (warps ? " (warps)" : " (passes)") << ", " << hb << " heads per block";
+            << ns << " splits, launch " << rep << ", " << hb << " heads per block";
         const std::vector<float> c = cnt.get();
         EXPECT_TRUE(std::all_of(c.begin(), c.end(), [](float v) { return v == 0.f; })) << "counters left set";
       }
     }
-  // Each token alone (a step of one: the warp form loads its first cache rows before the wait).
+  // Each token alone (a step of one: the kernel loads its first cache rows before the wait).
   for (int hb : {2, 1})
     for (int64_t i = 0; i < n; ++i) {
       const int ns = cuda::mla_decode_splits(d, 1, 0, hb);
       Dev part(*cuda, size_t(ns * H * C)), ml(*cuda, size_t(ns * H * 2));
       Dev pos1(*cuda, pos_words(&tp[size_t(i)], 1));
-      for (bool warps : {true, false}) {
-        Dev out(*cuda, std::vector<float>(size_t(H * C), std::nanf("")));
-        cuda::Launch L;
-        cuda::mla_decode_attn(L, d, reinterpret_cast<const cuda::DevPos*>(pos1.p), 1, dqa.p + i * H * C,
-                              dq.p + i * H * qk, dkv.p, dpe.p, ns, part.p, ml.p, reinterpret_cast<unsigned*>(cnt.p),
-                              out.p, warps, hb);
-        ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
-        const std::vector<float> got = out.get();
-        EXPECT_LE(rel_l2(got.data(), want.data() + i * H * C, got.size()), 1e-5)
-            << "token " << i << " alone, " << ns << " splits" << (warps ? " (warps)" : " (passes)") << ", " << hb
-            << " heads per block";
-      }
+      Dev out(*cuda, std::vector<float>(size_t(H * C), std::nanf("")));
+      cuda::DecodeAttn da = args(ns, hb, part, ml, out);
+      da.qa = dqa.p + i * H * C, da.q = dq.p + i * H * qk;
+      cuda::Launch L;
+      cuda::mla_decode_attn(L, d, reinterpret_cast<const cuda::DevPos*>(pos1.p), 1, da);
+      ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+      const std::vector<float> got = out.get();
+      EXPECT_LE(rel_l2(got.data(), want.data() + i * H * C, got.size()), 1e-5)
+          << "token " << i << " alone, " << ns << " splits, " << hb << " heads per block";
     }
 }
 
@@ -1000,11 +1064,14 @@ TEST(CudaOps, ValueAbsorptionCombinesSplits) {
   REQUIRE_GPU();
   auto ref = make_ref_backend();
   auto cuda = make_cuda_backend(opts());
+  const test::Paged paged(1, 2048);
+  DevTables tables(*cuda, paged);
   cuda::MlaDims d;
-  d.H = 16, d.nope = 128, d.R = 64, d.C = 512, d.V = 128, d.max_len = 2048, d.scale = 0.0721f;
-  const int64_t H = d.H, C = d.C, R = d.R, V = d.V, KV = d.nope + d.V, ML = d.max_len;
+  d.H = 16, d.nope = 128, d.R = 64, d.C = 512, d.V = 128, d.scale = 0.0721f;
+  tables.set(d, paged);
+  const int64_t H = d.H, C = d.C, R = d.R, V = d.V, KV = d.nope + d.V;
   const std::vector<float> qa = randn(size_t(H * C), 61), q = randn(size_t(H * d.qk()), 62),
-                           ckv = randn(size_t(ML * C), 63, 0.5f), cpe = randn(size_t(ML * R), 64, 0.5f);
+                           ckv = randn(size_t(paged.rows() * C), 63, 0.5f), cpe = randn(size_t(paged.rows() * R), 64, 0.5f);
   Dev dqa(*cuda, qa), dq(*cuda, q), dkv(*cuda, ckv), dpe(*cuda, cpe), cnt(*cuda, 4096);
   for (DType t : {DType::BF16, DType::F32}) {
     HostLinear hw = make_linear(t, H * KV, C, 65);
@@ -1021,13 +1088,16 @@ TEST(CudaOps, ValueAbsorptionCombinesSplits) {
       const int ns = k.ns;
       Dev &part = k.part, &ml = k.ml, &ol = k.ol;
       Dev want(*cuda, std::vector<float>(size_t(H * V), std::nanf(""))), got(*cuda, want.get());
-      auto* counters = reinterpret_cast<unsigned*>(cnt.p);
-      cuda::mla_decode_attn(L, d, pp, 1, dqa.p, dq.p, dkv.p, dpe.p, ns, part.p, ml.p, counters, ol.p, true, 1);
+      cuda::DecodeAttn da;
+      da.qa = dqa.p, da.q = dq.p, da.cache_kv = dkv.p, da.cache_pe = dpe.p, da.nsplit = ns, da.part = part.p;
+      da.ml = ml.p, da.counters = reinterpret_cast<unsigned*>(cnt.p), da.ol = ol.p, da.hb = 1;
+      cuda::mla_decode_attn(L, d, pp, 1, da);
       cuda::gemv(L, wv, nullptr, ol.p, H * C, nullptr, 1, want.p, H * V, int(H), sh);
       ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
       const std::vector<float> olh = ol.get(), wanth = want.get();
       Dev ol2(*cuda, std::vector<float>(size_t(H * C), p == 0 ? 0.f : std::nanf("")));  // one split: ol is written
-      cuda::mla_decode_attn(L, d, pp, 1, dqa.p, dq.p, dkv.p, dpe.p, ns, part.p, ml.p, counters, ol2.p, true, 1, false);
+      da.ol = ol2.p, da.combine = false;
+      cuda::mla_decode_attn(L, d, pp, 1, da);
       cuda::gemv_splits(L, wv, int(H), sh, pp, ns, part.p, ml.p, ol2.p, got.p);
       ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
       const std::vector<float> goth = got.get();
@@ -1055,8 +1125,11 @@ TEST(CudaOps, ValueAbsorptionCombinesSplits) {
 TEST(CudaOps, DecodeQAbsorptionMatchesFloat64) {
   REQUIRE_GPU();
   auto cuda = make_cuda_backend(opts());
+  const test::Paged paged(8, 16, 4);
+  DevTables tables(*cuda, paged);
   cuda::MlaDims d;
-  d.H = 16, d.nope = 128, d.R = 64, d.C = 512, d.V = 128, d.max_len = 16, d.scale = 0.07f, d.eps = 1e-6f;
+  d.H = 16, d.nope = 128, d.R = 64, d.C = 512, d.V = 128, d.scale = 0.07f, d.eps = 1e-6f;
+  tables.set(d, paged);
   const int64_t H = d.H, C = d.C, R = d.R, qk = d.qk(), rows = H * (d.nope + d.V);
   for (DType t : {DType::BF16, DType::F8_E4M3, DType::F32}) {
     HostLinear h = make_linear(t, rows, C, 61);
@@ -1078,7 +1151,7 @@ TEST(CudaOps, DecodeQAbsorptionMatchesFloat64) {
           }
       for (bool vec : {true, false}) {
         Dev dq(*cuda, q), dkv(*cuda, kv), dnw(*cuda, nw), drope(*cuda, rope);
-        Dev ckv(*cuda, std::vector<float>(size_t(n * d.max_len * C), 0.f)), cpe(*cuda, size_t(n * d.max_len * R));
+        Dev ckv(*cuda, std::vector<float>(size_t(paged.rows() * C), 0.f)), cpe(*cuda, size_t(paged.rows() * R));
         Dev qa(*cuda, std::vector<float>(want.size(), std::nanf("")));
         Dev dpos(*cuda, pos_words(tp.data(), tp.size()));
         cuda::Launch L;
@@ -1095,7 +1168,7 @@ TEST(CudaOps, DecodeQAbsorptionMatchesFloat64) {
           double ss = 0;
           for (int64_t c = 0; c < C; ++c) ss += double(kv[size_t(i * (C + R) + c)]) * kv[size_t(i * (C + R) + c)];
           const double r = 1.0 / std::sqrt(ss / double(C) + d.eps);
-          const int64_t row = i * d.max_len + i % 5;
+          const int64_t row = paged.view().row(int32_t(i), i % 5);
           for (int64_t c = 0; c < C; c += 97)
             EXPECT_NEAR(cache[size_t(row * C + c)], kv[size_t(i * (C + R) + c)] * r * nw[size_t(c)], 1e-4) << what;
         }
@@ -1270,7 +1343,7 @@ TEST(CudaOps, DeviceSamplingMatchesHostSampling) {
       {sp(0.f, 0, 1.f, 0.f, 1.f), sp(0.8f, 0, 0.95f, 0.f, 1.f), sp(0.8f, 0, 1.f, 0.f, 1.3f)}};
   for (std::string c : {"v2lite_bf16", "v3_fp8"}) {
     ModelOptions mo;
-    mo.max_slots = 3;
+    mo.max_seqs = 3;
     Model m(Checkpoint::open(case_dir(c) + "/hf"), make_cuda_backend(opts()), mo);
     for (size_t set = 0; set < sets.size(); ++set) {
       std::vector<GenerateRequest> reqs(3);
@@ -1321,39 +1394,32 @@ TEST(CudaOps, OutOfDeviceMemoryIsSaidClearly) {
 // needed); the defaults pass.
 TEST(CudaOptions, OutOfRangeOptionsAreRefused) {
   EXPECT_NO_THROW(CudaOptions().validate());
-  // o refused by validate, naming var, and by the backend before it touches a device
-  auto refused = [](const CudaOptions& o, const char* var, const std::string& what) {
-    try {
-      o.validate();
-      ADD_FAILURE() << what << " accepted";
-    } catch (const Error& e) {
-      EXPECT_NE(std::string(e.what()).find(var), std::string::npos) << e.what();
-    }
-    EXPECT_THROW(make_cuda_backend(o), Error) << what;
-  };
-  // Each integer option: values refused (naming its variable) and values accepted.
   struct IntOption {
-    int CudaOptions::*field;
-    const char* var;
+    int CudaOptions::Tuning::*field;
+    const char* name;
     std::vector<int> bad, good;
   };
   const IntOption cases[] = {
-      {&CudaOptions::decode_heads, "DSV3_CUDA_DECODE_HEADS", {-1, 3}, {0, 1, 2}},
-      {&CudaOptions::decode_splits, "DSV3_CUDA_DECODE_SPLITS", {-2}, {0, 1, 16}},
-      {&CudaOptions::fp8_fma_one, "DSV3_CUDA_FP8_FMA_ONE", {-1, 3}, {0, 1, 2}},
-      {&CudaOptions::tc_tm, "DSV3_CUDA_TC_TM", {-1, 32, 96, 256}, {0, 64, 128}},
-      {&CudaOptions::tc_swap, "DSV3_CUDA_TC_SWAP", {-1, 3}, {0, 1, 2}},
+      {&CudaOptions::Tuning::tc_tm, "tc_tm", {-1, 32, 96, 256}, {0, 64, 128}},
+      {&CudaOptions::Tuning::tc_swap, "tc_swap", {-1, 3}, {0, 1, 2}},
+      {&CudaOptions::Tuning::gemv_max, "gemv_max", {-1, 9}, {0, 1, 8}},
   };
   for (const IntOption& c : cases) {
     for (int v : c.bad) {
       CudaOptions o;
-      o.*c.field = v;
-      refused(o, c.var, str(c.var, " = ", v));
+      o.tune.*c.field = v;
+      try {
+        o.validate();
+        ADD_FAILURE() << c.name << " = " << v << " accepted";
+      } catch (const Error& e) {
+        EXPECT_NE(std::string(e.what()).find(c.name), std::string::npos) << e.what();
+      }
+      EXPECT_THROW(make_cuda_backend(o), Error) << c.name << " = " << v;
     }
     for (int v : c.good) {
       CudaOptions o;
-      o.*c.field = v;
-      EXPECT_NO_THROW(o.validate()) << c.var << " = " << v;
+      o.tune.*c.field = v;
+      EXPECT_NO_THROW(o.validate()) << c.name << " = " << v;
     }
   }
 }
@@ -1490,13 +1556,13 @@ TEST_P(CudaGolden, EveryStepMatchesFp32Logits) {
   REQUIRE_GPU();
   const GoldenParam& p = GetParam();
   CudaOptions o;
-  if (p.variant == 1) o.graphs = false, o.pdl = false, o.gemv_max = 0, o.tc_min = 1 << 30;
-  if (p.variant == 2) o.fast = true, o.fast_min = 16;  // the golden prefills (28 tokens) in fast mode
-  if (p.variant == 3) o.graphs = false, o.gemv_max = 0, o.tc_min = 1;
+  if (p.variant == 1) o.graphs = false, o.pdl = false, o.tune.gemv_max = 0, o.tune.tc_min = 1 << 30;
+  if (p.variant == 2) o.fast = true, o.tune.fast_min = 16;  // the golden prefills (28 tokens) in fast mode
+  if (p.variant == 3) o.graphs = false, o.tune.gemv_max = 0, o.tune.tc_min = 1;
   SafetensorsFile g(case_dir(p.name) + "/golden.safetensors");
   ModelOptions mo;
   mo.attn = p.attn;
-  mo.max_slots = 4;
+  mo.max_seqs = 4;
   Model model(Checkpoint::open(case_dir(p.name) + "/hf"), make_cuda_backend(o), mo);
   const int V = model.args().vocab_size;
   std::vector<double> errs, step_errs;  // per row; per step (over its rows, as golden/README.md's table)
@@ -1544,21 +1610,25 @@ TEST_P(CudaGolden, PrefixLogitsMatch) {
   const GoldenParam& p = GetParam();
   if (p.variant == 2) GTEST_SKIP() << "covered by the step test";
   CudaOptions o;
-  if (p.variant == 1) o.graphs = false, o.pdl = false, o.gemv_max = 0, o.tc_min = 1 << 30;
-  if (p.variant == 3) o.graphs = false, o.gemv_max = 0, o.tc_min = 1;
+  if (p.variant == 1) o.graphs = false, o.pdl = false, o.tune.gemv_max = 0, o.tune.tc_min = 1 << 30;
+  if (p.variant == 3) o.graphs = false, o.tune.gemv_max = 0, o.tune.tc_min = 1;
   SafetensorsFile g(case_dir(p.name) + "/golden.safetensors");
   TensorView prefix = g.get("prefix_tokens"), want = g.get("prefix_logits_fp32");
   const int L = int(prefix.dim(1));
   ModelOptions mo;
   mo.attn = p.attn;
-  mo.max_slots = 1;
+  mo.max_seqs = 1;
   Model model(Checkpoint::open(case_dir(p.name) + "/hf"), make_cuda_backend(o), mo);
   const int V = model.args().vocab_size;
   std::vector<TokenPos> pos(static_cast<size_t>(L));
   std::vector<int64_t> rows(static_cast<size_t>(L));
   for (int i = 0; i < L; ++i) pos[size_t(i)] = {0, i}, rows[size_t(i)] = i;
   std::vector<float> got(static_cast<size_t>(L) * V);
-  model.forward(prefix.as<int32_t>(), pos.data(), L, rows, got.data());
+  BlockTable seq;
+  model.kv_cache().reserve(seq, L);
+  Model::Batch batch;
+  batch.tokens = prefix.as<int32_t>(), batch.pos = pos.data(), batch.n = L, batch.seqs = {&seq}, batch.logit_rows = rows;
+  model.forward(batch, got.data());
   for (int i = 0; i < L; ++i) {
     const float* w = want.as<float>() + size_t(i) * V;
     EXPECT_LE(rel_l2(got.data() + size_t(i) * V, w, size_t(V)), 1e-3) << "prefix length " << i + 1;
@@ -1567,6 +1637,50 @@ TEST_P(CudaGolden, PrefixLogitsMatch) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Cases, CudaGolden, ::testing::ValuesIn(golden_params()), golden_param_name);
+
+// Each rewrite of runtime/rewrites.h on its own (with the one it needs) against the unfused graph,
+// in whole models: a prefill of two sequences, then decode steps of two and of one (graphs
+// recorded and replayed). The logits agree to rounding, and the plan holds the fusion.
+TEST(CudaRewrites, EachFusionGivesTheUnfusedLogits) {
+  REQUIRE_GPU();
+  const std::pair<uint32_t, Fusion> each[] = {
+      {kRewriteAddRmsNorm, Fusion::kAddRmsNorm},
+      {kRewriteLinearPair, Fusion::kLinearPair},
+      {kRewriteAddRmsNormMoe, Fusion::kAddRmsNormMoe},
+      {kRewriteMoeCombineIntoNorm, Fusion::kCombineAddRmsNorm},
+      {kRewriteMoeCombineIntoNorm | kRewriteCombineIntoPair, Fusion::kCombineAddRmsNormPair},
+      {kRewritesAll, Fusion::kCombineAddRmsNormPair}};
+  for (std::string c : {"v2lite_bf16", "v3_fp8"}) {
+    auto logits = [&](uint32_t rw, std::string* plan_seen) {
+      ModelOptions mo;
+      mo.max_seqs = 2, mo.max_len = 64, mo.rewrites = rw;
+      Model m(Checkpoint::open(case_dir(c) + "/hf"), make_cuda_backend(opts()), mo);
+      if (plan_seen)
+        for (int64_t n : {int64_t(1), int64_t(2)})
+          for (const Node& nd : m.graph(n, n).nodes) *plan_seen += std::string(fusion_name(nd.fusion)) + ";";
+      const int V = m.args().vocab_size;
+      std::vector<float> all, out(size_t(2 * V));
+      const std::vector<int32_t> prompt = {3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8};
+      m.forward(prompt.data(), 2, 6, 0, out.data());
+      all.insert(all.end(), out.begin(), out.end());
+      for (int s = 0; s < 4; ++s) {
+        const int32_t next[2] = {int32_t(7 + s), int32_t(11 + s)};
+        m.forward(next, s < 2 ? 2 : 1, 1, 6 + s, out.data());
+        all.insert(all.end(), out.begin(), out.begin() + (s < 2 ? 2 : 1) * V);
+      }
+      return all;
+    };
+    const std::vector<float> plain = logits(0, nullptr);
+    for (auto [rw, f] : each) {
+      std::string seen;
+      const std::vector<float> fused = logits(rw, &seen);
+      const std::string what = str(c, " rewrites ", rw);
+      EXPECT_NE(seen.find(fusion_name(f)), std::string::npos) << what << ": " << seen;
+      ASSERT_EQ(fused.size(), plain.size());
+      EXPECT_LE(rel_l2(fused.data(), plain.data(), plain.size()), 1e-5) << what;
+    }
+  }
+}
 
 }  // namespace
 

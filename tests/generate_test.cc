@@ -102,13 +102,13 @@ TEST(GenerateCommand, RefusesBadInput) {
 
 }  // namespace
 
-#include "model/model.h"
+#include "runtime/model.h"
 #include "runtime/generate.h"
 
 namespace {
 TEST(Generator, NeverSamplesPastTheVocabularyLimit) {
   ModelOptions opt;
-  opt.max_slots = 2;
+  opt.max_seqs = 2;
   Model m(Checkpoint::open(case_dir("v3_fp8") + "/hf"), make_ref_backend(), opt);
   Generator gen(m, -1);
   gen.set_vocab_limit(100);

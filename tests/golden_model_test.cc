@@ -8,7 +8,7 @@
 
 #include "golden_util.h"
 #include "io/safetensors.h"
-#include "model/model.h"
+#include "runtime/model.h"
 
 using namespace dsv3;
 using namespace dsv3::testing_util;
@@ -40,7 +40,7 @@ class GoldenModel : public ::testing::TestWithParam<Param> {};
 std::unique_ptr<Model> open_model(const std::string& c, AttnImpl attn, int slots, int len) {
   ModelOptions opt;
   opt.attn = attn;
-  opt.max_slots = slots;
+  opt.max_seqs = slots;
   opt.max_len = len;
   return std::make_unique<Model>(Checkpoint::open(case_dir(c) + "/hf"), make_ref_backend(), opt);
 }
@@ -93,7 +93,13 @@ TEST_P(GoldenModel, PrefixLogitsMatch) {
   std::vector<int64_t> rows(static_cast<size_t>(L));
   for (int i = 0; i < L; ++i) pos[size_t(i)] = {0, i}, rows[size_t(i)] = i;
   std::vector<float> got(static_cast<size_t>(L) * V);
-  model->forward(prefix.as<int32_t>(), pos.data(), L, rows, got.data());
+  model->reset_rows();  // (the prefills above hold blocks)
+  BlockTable seq;
+  model->kv_cache().reserve(seq, L);
+  Model::Batch b;
+  b.tokens = prefix.as<int32_t>(), b.pos = pos.data(), b.n = L, b.seqs = {&seq}, b.logit_rows = rows;
+  model->forward(b, got.data());
+  model->kv_cache().free(seq);
   for (int i = 0; i < L; ++i) {
     const float* w = want.as<float>() + size_t(i) * V;
     EXPECT_LE(rel_l2(got.data() + size_t(i) * V, w, size_t(V)), 1e-3) << "prefix length " << i + 1;
@@ -129,7 +135,7 @@ namespace {
 // Debug taps: every layer reports its intermediates, and they add up (h_l = h_{l-1} + attn + ffn).
 TEST(DebugTaps, ReportEveryLayerAndSatisfyTheResidualSum) {
   ModelOptions opt;
-  opt.max_slots = 1;
+  opt.max_seqs = 1;
   Model m(Checkpoint::open(case_dir("v2_groups_bf16") + "/hf"), make_ref_backend(), opt);
   std::map<std::string, std::vector<float>> taps;
   m.set_tap([&](const std::string& name, const float* d, int64_t rows, int64_t cols) {

@@ -14,7 +14,7 @@
 #include "golden_util.h"
 #include "io/checkpoint.h"
 #include "io/safetensors.h"
-#include "model/model.h"
+#include "runtime/model.h"
 
 using namespace dsv3;
 using namespace dsv3::testing_util;
@@ -289,8 +289,19 @@ TEST_P(Shapes, MatchTheDoublePrecisionOracle) {
   for (AttnImpl impl : {AttnImpl::kAbsorb, AttnImpl::kNaive}) {
     ModelOptions opt;
     opt.attn = impl;
-    opt.max_slots = 3;
+    opt.max_seqs = 3;
+    opt.kv_block = 4;  // small blocks: the prompts and steps cross block boundaries
     Model m(Checkpoint::open(rc.dir), make_ref_backend(), opt);
+    BlockTable tables[3];
+    m.kv_cache().reserve(tables[2], 11);
+    m.kv_cache().reserve(tables[0], 7);
+    auto forward = [&](const std::vector<int32_t>& toks, const std::vector<TokenPos>& pos,
+                       const std::vector<int64_t>& rows, float* logits) {
+      Model::Batch b;
+      b.tokens = toks.data(), b.pos = pos.data(), b.n = int64_t(toks.size()), b.logit_rows = rows;
+      b.seqs = {&tables[0], &tables[1], &tables[2]};
+      m.forward(b, logits);
+    };
     ASSERT_EQ(m.checkpoint().layout(), "reference");
     const int V = a.vocab_size;
     auto check = [&](int seq, int t, const float* got) {
@@ -300,14 +311,14 @@ TEST_P(Shapes, MatchTheDoublePrecisionOracle) {
       EXPECT_LE(err, 1e-4) << s.name << (impl == AttnImpl::kAbsorb ? " absorb" : " naive") << " seq " << seq
                            << " position " << t;
     };
-    // Prefill: sequence 0 in slot 2 (5 tokens, every position's logits), sequence 1 in slot 0 (3).
+    // Prefill: sequence 0 in table 2 (5 tokens, every position's logits), sequence 1 in table 0 (3).
     std::vector<int32_t> toks;
     std::vector<TokenPos> pos;
     for (int t = 0; t < 5; ++t) toks.push_back(seqs[0][size_t(t)]), pos.push_back({2, t});
     for (int t = 0; t < 3; ++t) toks.push_back(seqs[1][size_t(t)]), pos.push_back({0, t});
     std::vector<int64_t> rows = {0, 1, 2, 3, 4, 5, 6, 7};
     std::vector<float> got(rows.size() * size_t(V));
-    m.forward(toks.data(), pos.data(), int64_t(toks.size()), rows, got.data());
+    forward(toks, pos, rows, got.data());
     for (int t = 0; t < 5; ++t) check(0, t, got.data() + size_t(t) * V);
     for (int t = 0; t < 3; ++t) check(1, t, got.data() + size_t(5 + t) * V);
     // Decode: one token per live sequence per step, both in one call while both last.
@@ -319,7 +330,7 @@ TEST_P(Shapes, MatchTheDoublePrecisionOracle) {
       if (toks.empty()) break;
       rows.assign(toks.size(), 0);
       for (size_t r = 0; r < rows.size(); ++r) rows[r] = int64_t(r);
-      m.forward(toks.data(), pos.data(), int64_t(toks.size()), rows, got.data());
+      forward(toks, pos, rows, got.data());
       for (size_t r = 0; r < which.size(); ++r) check(which[r], pos[r].pos, got.data() + r * size_t(V));
     }
   }

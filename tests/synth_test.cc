@@ -27,7 +27,7 @@
 #include "io/mmap_file.h"
 #include "io/safetensors.h"
 #include "io/safetensors_writer.h"
-#include "model/model.h"
+#include "runtime/model.h"
 #include "model/synth.h"
 #include "model/weights.h"
 
@@ -545,7 +545,7 @@ TEST(Synth, TinyModelGivesFiniteLogitsThatVaryWithTheToken) {
   for (const char* dtype : {"bf16", "fp8"}) {
     make(d / dtype, dtype, 1);
     ModelOptions opt;
-    opt.max_slots = 1;
+    opt.max_seqs = 1;
     opt.max_len = 16;
     Model m(Checkpoint::open(d / dtype), make_ref_backend(), opt);
     const int V = m.args().vocab_size;

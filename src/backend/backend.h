@@ -1,36 +1,37 @@
-// The op interface every backend implements (ref/: scalar float32, the oracle; cpu/: SIMD;
-// cuda/: GPU). Activation buffers are float32, row-major, in the backend's memory (host for
-// CPU backends, device for CUDA); weights are the views of ModelWeights after prepare_weights.
-// The forward loop (model/model.cc) calls only these.
+// The interface every backend implements (ref/: scalar float32, the oracle; cpu/: SIMD; cuda/:
+// GPU): run a step graph (backend/graph.h), node by node. The ops below are the vocabulary a node
+// of one op is made of; a backend that accepts a fusion (fuses()) runs that node its own way.
+// Activation buffers are float32, row-major, in the backend's memory (host for CPU backends,
+// device for CUDA); weights are the views of ModelWeights after prepare_weights.
 #pragma once
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
 
+#include "backend/graph.h"
 #include "model/config.h"
 #include "model/weights.h"
 
 namespace dsv3 {
 
-class RopeTable;
 class ThreadPool;
 
-// Where each token of a batch sits: its cache slot and position. Host memory.
-struct TokenPos {
-  int32_t slot;  // KV cache row
-  int32_t pos;   // position in that row; attends to [0, pos] of the slot
+// Everything one attention op reads: the layer's weights and cache, the step's positions and
+// block tables, q [n, n_heads, qk_head_dim] (nope | rope parts, rope NOT yet applied) and
+// kv [n, kv_lora_rank + qk_rope_head_dim] = wkv_a(x) (rope NOT yet applied).
+struct MlaCall {
+  const ModelArgs* a = nullptr;
+  AttnImpl impl = AttnImpl::kAbsorb;
+  const AttnWeights* w = nullptr;
+  const RopeView* rope = nullptr;
+  const Step* step = nullptr;       // pos, n and the block tables (KvView)
+  const LayerCache* cache = nullptr;
+  float* q = nullptr;
+  float* kv = nullptr;
+  float* out = nullptr;             // [n, n_heads * v_head_dim] (before wo)
 };
-
-// One layer's latent cache (absorbed MLA) or full K/V cache (naive MLA), float32.
-struct LayerCache {
-  float* kv = nullptr;  // absorbed: [slots, max_len, kv_lora_rank] (kv_norm(latent))
-  float* pe = nullptr;  // absorbed: [slots, max_len, qk_rope_head_dim] (roped key)
-  float* k = nullptr;   // naive: [slots, max_len, n_heads, qk_head_dim]
-  float* v = nullptr;   // naive: [slots, max_len, n_heads, v_head_dim]
-};
-
-enum class AttnImpl { kAbsorb, kNaive };
 
 class Backend {
  public:
@@ -44,50 +45,43 @@ class Backend {
   virtual void download(float* host, const float* src, size_t n) = 0;
   // Called once after loading; a device backend copies the weights and rewrites the views.
   virtual void prepare_weights(const ModelArgs& args, ModelWeights& w) {}
+  // Bytes a device backend has free for more buffers (the KV cache's default capacity); -1 for
+  // host memory (allocations there cost nothing until touched).
+  virtual int64_t device_free_bytes() const { return -1; }
 
-  // Optional hooks around one step of Model::forward, for device backends that record a step's
-  // launches (CUDA graphs) and replay them. begin_step gets the step's host metadata, valid until
-  // end_step; when it returns true, the backend replays a recorded step of the same shape at
-  // end_step and the caller skips every op in between. Defaults: nothing is recorded.
-  virtual bool begin_step(const int32_t* tokens, const TokenPos* pos, int64_t n, const int64_t* logit_rows,
-                          int64_t m) {
-    return false;
-  }
-  virtual void end_step() {}
-  // y[r, :d] = x[rows[r], :d] for r < m, rows in host memory. Default: through the host.
-  virtual void gather_rows(const float* x, int64_t d, const int64_t* rows, int64_t m, float* y) {
-    std::vector<float> row(static_cast<size_t>(d));
-    for (int64_t r = 0; r < m; ++r) {
-      download(row.data(), x + rows[r] * d, size_t(d));
-      upload(y + r * d, row.data(), size_t(d));
-    }
-  }
+  // Runs one step: the graph's nodes in order over `step`. `after` (optional) is called after
+  // every node with the index of its last op (debug taps; a backend does not record such a run).
+  using AfterNode = std::function<void(int last_op)>;
+  virtual void run(const StepGraph& g, const Step& step, const AfterNode& after = {});
+  // Whether this backend runs fusion `f` over ops [first, first + count) of g as one node (asked
+  // by runtime/rewrites.cc). Default: no fusion.
+  virtual bool fuses(const StepGraph& g, Fusion f, int first, int count) const { return false; }
 
+  // ---- the ops
   // y[n, dim] = table[tokens[i]] (tokens in host memory, already range-checked).
-  virtual void embed(const int32_t* tokens, int64_t n, const TensorView& table, float* y) = 0;
+  virtual void embed(const Step& s, const TensorView& table, float* y) = 0;
   // y[n, d] = x / rms(x) * w; rows are `stride` floats apart in x and y (y may alias x).
   virtual void rmsnorm(const float* x, int64_t n, int64_t d, int64_t stride, const TensorView& w, float eps,
                        float* y) = 0;
   // y[n, out] = x[n, in] · Wᵀ (FP8 weights dequantised with their block scales).
   virtual void linear(const float* x, int64_t n, const Linear& w, float* y) = 0;
-  // y[n, d] += x[n, d]
+  // y[n] += x[n]
   virtual void add(float* y, const float* x, int64_t n) = 0;
-
-  // Multi-head latent attention for n tokens after the projections:
-  //   q: [n, n_heads, qk_head_dim] (nope | rope parts, rope NOT yet applied),
-  //   kv: [n, kv_lora_rank + qk_rope_head_dim] = wkv_a(x) (rope NOT yet applied).
-  // Applies RoPE at each token's position, writes the cache at (slot, pos), attends causally
-  // (token at pos sees [0, pos] of its slot) with float32 softmax, and writes
-  // out: [n, n_heads * v_head_dim] (before wo). All tokens of one call must be distinct
-  // (slot, pos) and a slot's earlier positions must already be cached.
-  virtual void mla(const ModelArgs& a, AttnImpl impl, const AttnWeights& w, const RopeTable& rope,
-                   const TokenPos* pos, int64_t n, float* q, float* kv, const LayerCache& cache,
-                   int64_t max_len, float* out) = 0;
-
+  // Multi-head latent attention for the step's tokens after the projections: applies RoPE at each
+  // token's position, writes the cache rows of (slot, pos), attends causally (a token at pos sees
+  // [0, pos] of its sequence) with float32 softmax. All tokens of one call must be distinct
+  // (slot, pos) and a sequence's earlier positions must already be cached.
+  virtual void mla(const MlaCall& c) = 0;
   // DeepSeekMoE: y[n, dim] = sum_k weight_k * expert_k(x) + shared_experts(x).
   virtual void moe(const ModelArgs& a, const MoEWeights& w, const float* x, int64_t n, float* y) = 0;
   // Dense MLP: y[n, dim] = w2(silu(w1 x) * w3 x).
   virtual void mlp(const MLPWeights& w, const float* x, int64_t n, float* y) = 0;
+  // y[r, :d] = x[rows[r], :d] for r < m, rows in host memory. Default: through the host.
+  virtual void gather_rows(const float* x, int64_t d, const int64_t* rows, int64_t m, float* y);
+  // Collectives (kAllReduce / kAllGather): x [n] summed over the ranks in place; every rank's
+  // x [rows, d] into y [rows, parts * d]. Default: through Comm on host memory.
+  virtual void all_reduce(Comm& comm, float* x, int64_t n);
+  virtual void all_gather(Comm& comm, const float* x, int64_t rows, int64_t d, float* y);
 
   // Greedy sampling where the logits live: for each of `rows` rows of x [rows, cols] (backend
   // memory), ids[r] (host) = the lowest index of the largest value among columns [0, limit),
@@ -117,6 +111,12 @@ class Backend {
   // -1 when the backend does not count.
   virtual int64_t routed_experts_run() const { return -1; }
   virtual void reset_counters() {}
+
+ protected:
+  // One op of g (a node without fusion), through the op methods above.
+  void run_op(const StepGraph& g, const Step& s, const Op& op);
+  // A node with a fusion this backend accepted (fuses()). Default: an internal error.
+  virtual void run_fused(const StepGraph& g, const Step& s, const Node& nd);
 };
 
 // The scalar float32 backend: the oracle (multi-threaded over the global ThreadPool).

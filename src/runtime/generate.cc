@@ -13,14 +13,27 @@ static double seconds_since(Clock::time_point t) {
   return std::chrono::duration<double>(Clock::now() - t).count();
 }
 
+Generator::~Generator() {
+  for (BlockTable& t : seqs_) model_.kv_cache().free(t);
+}
+
 std::vector<GenerateResult> Generator::run(const std::vector<GenerateRequest>& reqs,
                                            const std::function<void(size_t, int32_t)>& on_token,
                                            const std::atomic<bool>* cancel) {
   const ModelArgs& a = model_.args();
   const int V = a.vocab_size, max_len = model_.max_len();
   if (reqs.empty()) return {};
-  if (int(reqs.size()) > model_.max_slots())
-    fail(reqs.size(), " requests exceed the ", model_.max_slots(), " sequences the cache holds");
+  KvCache& kvc = model_.kv_cache();
+  // Without prefix reuse, every sequence's blocks go back when run() ends (an error included).
+  struct Release {
+    Generator& g;
+    ~Release() {
+      if (g.reuse_) return;
+      for (BlockTable& t : g.seqs_) g.model_.kv_cache().free(t);
+      g.cached_.clear();
+    }
+  } release{*this};
+  if (seqs_.size() < reqs.size()) seqs_.resize(reqs.size()), cached_.resize(reqs.size());
   std::vector<GenerateResult> out(reqs.size());
   std::vector<Sampler> samplers;
   samplers.reserve(reqs.size());
@@ -50,13 +63,17 @@ std::vector<GenerateResult> Generator::run(const std::vector<GenerateRequest>& r
     }
     out[i].reused_prompt_tokens = int(start);
     cached_[i].assign(p.begin(), p.begin() + long(start));
+    kvc.truncate(seqs_[i], int64_t(start));
+    kvc.reserve(seqs_[i], int64_t(p.size()));
     for (size_t b = start; b < p.size(); b += size_t(chunk_)) {
       size_t e = std::min(p.size(), b + size_t(chunk_));
+      Model::Batch batch;
       std::vector<TokenPos> pos;
-      for (size_t t = b; t < e; ++t) pos.push_back({int32_t(i), int32_t(t)});
-      std::vector<int64_t> rows;
-      if (e == p.size()) rows.push_back(int64_t(e - b - 1));
-      model_.forward(p.data() + b, pos.data(), int64_t(pos.size()), rows, logits.data() + i * size_t(V));
+      for (size_t t = b; t < e; ++t) pos.push_back({0, int32_t(t)});
+      batch.tokens = p.data() + b, batch.pos = pos.data(), batch.n = int64_t(pos.size());
+      batch.seqs = {&seqs_[i]};
+      if (e == p.size()) batch.logit_rows.push_back(int64_t(e - b - 1));
+      model_.forward(batch, logits.data() + i * size_t(V));
       cached_[i].insert(cached_[i].end(), p.begin() + long(b), p.begin() + long(e));
     }
     ctx[i] = p;
@@ -111,13 +128,18 @@ std::vector<GenerateResult> Generator::run(const std::vector<GenerateRequest>& r
       }
       next.push_back(i);
       toks.push_back(tok);
-      pos.push_back({int32_t(i), int32_t(p)});
+      pos.push_back({int32_t(next.size() - 1), int32_t(p)});
     }
     live = next;
     first = false;
     if (live.empty()) break;
-    std::vector<int64_t> rows(live.size());
-    for (size_t r = 0; r < live.size(); ++r) rows[r] = int64_t(r);
+    Model::Batch batch;
+    batch.tokens = toks.data(), batch.pos = pos.data(), batch.n = int64_t(toks.size());
+    for (size_t r = 0; r < live.size(); ++r) {
+      kvc.reserve(seqs_[live[r]], int64_t(pos[r].pos) + 1);
+      batch.seqs.push_back(&seqs_[live[r]]);
+      batch.logit_rows.push_back(int64_t(r));
+    }
     bool greedy = device_sampling_, drawn = false;
     for (size_t i : live) {
       const SamplingParams& p = samplers[i].params();
@@ -127,8 +149,7 @@ std::vector<GenerateResult> Generator::run(const std::vector<GenerateRequest>& r
     ids.resize(live.size());
     pre_u.assign(live.size(), -1.0);
     if (greedy) {
-      have_ids = model_.forward_greedy(toks.data(), pos.data(), int64_t(toks.size()), rows, vocab_limit_, ids.data(),
-                                       logits.data());
+      have_ids = model_.forward_greedy(batch, vocab_limit_, ids.data(), logits.data());
     } else if (device_sampling_ && drawn) {
       std::vector<Backend::SampleSpec> spec(live.size());
       for (size_t r = 0; r < live.size(); ++r) {
@@ -138,10 +159,9 @@ std::vector<GenerateResult> Generator::run(const std::vector<GenerateRequest>& r
         spec[r].min_p = p.min_p, spec[r].host = p.penalized();
         if (!p.penalized()) spec[r].u = pre_u[r] = s.draw_uniform();
       }
-      have_ids = model_.forward_sample(toks.data(), pos.data(), int64_t(toks.size()), rows, vocab_limit_, spec.data(),
-                                       ids.data(), logits.data());
+      have_ids = model_.forward_sample(batch, vocab_limit_, spec.data(), ids.data(), logits.data());
     } else {
-      model_.forward(toks.data(), pos.data(), int64_t(toks.size()), rows, logits.data());
+      model_.forward(batch, logits.data());
       have_ids = false;
     }
     for (size_t r = 0; r < live.size(); ++r) cached_[live[r]].push_back(toks[r]);

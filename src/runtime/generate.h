@@ -1,6 +1,6 @@
-// Batch generation on one Model: each request gets a KV cache slot, its prompt is prefilled (in
-// chunks), then all unfinished requests decode together, one token per step, until EOS or their
-// token budget. Equivalent to the reference's generate() (same logits per token) but without
+// Batch generation on one Model: each request gets a sequence of the paged KV cache, its prompt
+// is prefilled (in chunks), then all unfinished requests decode together, one token per step,
+// until EOS or their token budget. Equivalent to the reference's generate() (same logits per token) but without
 // its padding: prompts of different lengths prefill fully at once.
 #pragma once
 #include <atomic>
@@ -8,7 +8,7 @@
 #include <string>
 #include <vector>
 
-#include "model/model.h"
+#include "runtime/model.h"
 #include "runtime/sampler.h"
 
 namespace dsv3 {
@@ -34,19 +34,21 @@ struct GenerateStats {
 class Generator {
  public:
   explicit Generator(Model& model, int eos_id, int prefill_chunk = 256)
-      : model_(model), eos_(eos_id), chunk_(prefill_chunk), cached_(size_t(model.max_slots())) {}
+      : model_(model), eos_(eos_id), chunk_(prefill_chunk) {}
+  ~Generator();
 
-  // Runs the requests together (request i in cache slot i; at most model.max_slots()). Each
-  // generated token is passed to on_token(i, id) as soon as it is sampled (EOS too, last);
-  // `cancel` (if given) stops every request at the next step. Throws Error for an empty prompt,
-  // a prompt that does not fit the context, ids outside the vocabulary, too many requests.
+  // Runs the requests together (request i in the generator's sequence i). Each generated token
+  // is passed to on_token(i, id) as soon as it is sampled (EOS too, last); `cancel` (if given)
+  // stops every request at the next step. Throws Error for an empty prompt, a prompt that does
+  // not fit the context, ids outside the vocabulary, a KV cache too small for the requests.
   std::vector<GenerateResult> run(const std::vector<GenerateRequest>& reqs,
                                   const std::function<void(size_t, int32_t)>& on_token = {},
                                   const std::atomic<bool>* cancel = nullptr);
 
   const GenerateStats& stats() const { return stats_; }
-  // Whether a slot's cache is reused across run() calls: a new prompt sharing a prefix with what
-  // the slot holds prefills only the rest (multi-turn chat). Off by default.
+  // Whether a sequence's cache is kept across run() calls: a new prompt sharing a prefix with
+  // what sequence i holds prefills only the rest (multi-turn chat). Off by default: every
+  // sequence's blocks go back to the cache when run() returns.
   void set_reuse_prefix(bool on) { reuse_ = on; }
   // Samples only ids < n: checkpoints pad the vocabulary past the tokenizer's last id (DeepSeek-V3:
   // 129280 rows, 128815 tokens); ids that no tokenizer can decode are never drawn.
@@ -64,7 +66,8 @@ class Generator {
   bool reuse_ = false;
   int vocab_limit_ = 0;  // 0 = the model's vocabulary
   bool device_sampling_ = true;
-  std::vector<std::vector<int32_t>> cached_;  // per slot: the tokens whose K/V the cache holds
+  std::vector<BlockTable> seqs_;              // per request index: its cache blocks
+  std::vector<std::vector<int32_t>> cached_;  // ... and the tokens whose K/V they hold
   GenerateStats stats_;
 };
 

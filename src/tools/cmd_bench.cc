@@ -26,7 +26,7 @@
 #include "core/error.h"
 #include "core/thread_pool.h"
 #include "io/checkpoint.h"
-#include "model/model.h"
+#include "runtime/model.h"
 #include "model/weights.h"
 #include "tools/anchors_h200.h"
 #include "tools/command.h"
@@ -186,7 +186,7 @@ int run_bench(int argc, char** argv) {
   const int max_b = *std::max_element(batches.begin(), batches.end());
   ModelOptions opt;
   opt.attn = args.get("attn", "absorb") == "naive" ? AttnImpl::kNaive : AttnImpl::kAbsorb;
-  opt.max_slots = max_b;
+  opt.max_seqs = max_b;
   opt.max_len = int(std::min<long>(a.max_seq_len, std::max(prompt, ctx + gen)));
   opt.kv_cache_gb = args.get_float("kv-cache-gb", 0);
   const double t_load = now();
@@ -283,7 +283,7 @@ int run_bench(int argc, char** argv) {
     const double E = a.n_routed_experts, K = a.n_activated_experts;
     const double experts_per_layer =
         measured ? double(run) / double(gen) / double(std::max<int64_t>(1, n_moe)) : E * (1 - std::pow(1 - K / E, B));
-    const double kv_bytes = double(B) * (double(ctx) + double(gen) / 2) * double(kv_cache_bytes_per_position(a, opt.attn));
+    const double kv_bytes = double(B) * (double(ctx) + double(gen) / 2) * double(KvCache::bytes_per_position(a, opt.attn));
     const double bytes = double(fixed_bytes) + experts_per_layer * double(n_moe) * double(expert_bytes) + kv_bytes;
     const double tok_s = double(B) * double(gen) / secs;
     const double floor_tok_s = double(B) / (bytes / (bw * 1e9));
@@ -322,7 +322,7 @@ int run_bench(int argc, char** argv) {
   double load1[3] = {0, 0, 0};
   getloadavg(load1, 3);
   std::fprintf(out, "memory: peak RSS %.2f GB (now: %.2f GB file-backed weights, %.2f GB anonymous); KV cache sized %.3f GB\n",
-               double(peak_rss) / 1e9, double(file) / 1e9, double(anon) / 1e9, double(model.kv_cache_bytes()) / 1e9);
+               double(peak_rss) / 1e9, double(file) / 1e9, double(anon) / 1e9, double(model.kv_cache().bytes()) / 1e9);
   if (!gpu)
     std::fprintf(out, "load average: %.2f at start, %.2f at end (shared cores: numbers are noisy when it is high)\n",
                  load0[0], load1[0]);
@@ -354,7 +354,7 @@ int run_bench(int argc, char** argv) {
                         {"peak_rss_bytes", peak_rss},
                         {"rss_file_bytes", file},
                         {"rss_anon_bytes", anon},
-                        {"kv_cache_bytes", model.kv_cache_bytes()},
+                        {"kv_cache_bytes", model.kv_cache().bytes()},
                         {"mlocked", locked}};
     std::printf("%s\n", j.dump().c_str());
   }

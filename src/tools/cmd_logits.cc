@@ -11,7 +11,7 @@
 #include "core/thread_pool.h"
 #include "io/checkpoint.h"
 #include "io/safetensors.h"
-#include "model/model.h"
+#include "runtime/model.h"
 #include "tools/command.h"
 #include "tools/model_options.h"
 

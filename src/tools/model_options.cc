@@ -34,7 +34,7 @@ LoadedModel load_model(const Args& args, int slots, int max_len, const std::stri
   auto ck = Checkpoint::open(args.require("model"), args.get("config"));
   ModelOptions opt;
   opt.attn = parse_attn(args.get("attn", "absorb"));
-  opt.max_slots = std::max(1, slots);
+  opt.max_seqs = std::max(1, slots);
   opt.max_len = std::min(max_len, ck->args().max_seq_len);
   opt.kv_cache_gb = args.get_float("kv-cache-gb", 0);  // 0: sized for slots x max_len
   LoadedModel lm;

@@ -5,7 +5,7 @@
 #include <string>
 #include <vector>
 
-#include "model/model.h"
+#include "runtime/model.h"
 #include "tools/command.h"
 
 namespace dsv3 {

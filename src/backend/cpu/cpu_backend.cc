@@ -148,10 +148,10 @@ class CpuBackend final : public Backend {
   void upload(float* dst, const float* host, size_t n) override { std::memcpy(dst, host, n * 4); }
   void download(float* host, const float* src, size_t n) override { std::memcpy(host, src, n * 4); }
 
-  void embed(const int32_t* tokens, int64_t n, const TensorView& table, float* y) override {
-    OpTimer tm(prof_, "embed", n);
+  void embed(const Step& s, const TensorView& table, float* y) override {
+    OpTimer tm(prof_, "embed", s.n);
     const int64_t d = table.dim(1);
-    for (int64_t i = 0; i < n; ++i) row_to_f32(table, tokens[i], d, y + i * d);
+    for (int64_t i = 0; i < s.n; ++i) row_to_f32(table, s.tokens[i], d, y + i * d);
   }
 
   void rmsnorm(const float* x, int64_t n, int64_t d, int64_t stride, const TensorView& w, float eps,
@@ -176,14 +176,30 @@ class CpuBackend final : public Backend {
     k_.axpy(1.f, x, n, y);
   }
 
-  void mla(const ModelArgs& a, AttnImpl impl, const AttnWeights& w, const RopeTable& rope, const TokenPos* tp,
-           int64_t n, float* q, float* kv, const LayerCache& cache, int64_t max_len, float* out) override {
-    OpTimer tm(prof_, "mla", n);
-    if (impl == AttnImpl::kNaive) {  // the full K/V cache form: the reference implementation
-      ref_->mla(a, impl, w, rope, tp, n, q, kv, cache, max_len, out);
+  // add_rmsnorm (runtime/rewrites.h): the residual add and the norm of each row in one pass.
+  bool fuses(const StepGraph& g, Fusion f, int first, int count) const override { return f == Fusion::kAddRmsNorm; }
+  void run_fused(const StepGraph& g, const Step& s, const Node& nd) override {
+    if (nd.fusion != Fusion::kAddRmsNorm || nd.defer_combine) return Backend::run_fused(g, s, nd);
+    const Op &add = g.ops[size_t(nd.first)], &norm = g.ops[size_t(nd.first + 1)];
+    const Value &h = g.val(add.out), &r = g.val(add.in), &x = g.val(norm.out);
+    OpTimer tm(prof_, "add+rmsnorm", h.rows);
+    const int64_t d = h.cols;
+    const float* wf = vec_f32(*norm.weight, d, norm_w_);
+    auto rows = [&](int64_t b, int64_t e, int) {
+      for (int64_t i = b; i < e; ++i) k_.axpy(1.f, r.data + i * d, d, h.data + i * d);
+      k_.rmsnorm(h.data + b * d, d, e - b, d, wf, norm.eps, x.data + b * x.stride, x.stride);
+    };
+    if (h.rows * d < (1 << 16)) rows(0, h.rows, 0);
+    else par(h.rows, rows);
+  }
+
+  void mla(const MlaCall& c) override {
+    OpTimer tm(prof_, "mla", c.step->n);
+    if (c.impl == AttnImpl::kNaive) {  // the full K/V cache form: the reference implementation
+      ref_->mla(c);
       return;
     }
-    mla_absorb(a, w, rope, tp, n, q, kv, cache, max_len, out);
+    mla_absorb(c);
   }
 
   void mlp(const MLPWeights& w, const float* x, int64_t n, float* y) override {
@@ -479,22 +495,28 @@ class CpuBackend final : public Backend {
     guided(items, 1, [&](int64_t b, int64_t e, int t) { down_rows(b * tile, std::min(D, e * tile), scratch(t)); });
   }
 
-  void mla_absorb(const ModelArgs& a, const AttnWeights& w, const RopeTable& rope, const TokenPos* tp, int64_t n,
-                  float* q, float* kv, const LayerCache& cache, int64_t max_len, float* out) {
+  void mla_absorb(const MlaCall& c) {
     ensure_scratch();
+    const ModelArgs& a = *c.a;
+    const AttnWeights& w = *c.w;
+    const LayerCache& cache = *c.cache;
+    const TokenPos* tp = c.step->pos;
+    const KvView& kvv = c.step->kv;
+    const int64_t n = c.step->n;
+    float *q = c.q, *kv = c.kv, *out = c.out;
     const int64_t H = a.n_heads, nope = a.qk_nope_head_dim, R = a.qk_rope_head_dim, qk = nope + R,
-                  C = a.kv_lora_rank, V = a.v_head_dim;
+                  C = a.kv_lora_rank, V = a.v_head_dim, B = kvv.block;
     const float scale = a.softmax_scale();
     const float* kv_norm = vec_f32(w.kv_norm, C, kvnorm_w_);
     // RoPE on q_pe and k_pe; kv_norm(latent) and k_pe into the cache at (slot, pos).
     std::optional<OpTimer> ph(std::in_place, prof_, "mla.rope_cache", n);
     for (int64_t i = 0; i < n; ++i) {
-      DSV3_CHECK(tp[i].pos < rope.n_positions(), "position ", tp[i].pos, " past the rope table");
-      const float* cs = rope.at(tp[i].pos);
+      DSV3_CHECK(tp[i].pos < c.rope->n_positions, "position ", tp[i].pos, " past the rope table");
+      const float* cs = c.rope->host + size_t(tp[i].pos) * size_t(2 * c.rope->half);
       for (int64_t h = 0; h < H; ++h) apply_rope(q + (i * H + h) * qk + nope, cs, int(R / 2));
       float* kvi = kv + i * (C + R);
       apply_rope(kvi + C, cs, int(R / 2));
-      const int64_t row = int64_t(tp[i].slot) * max_len + tp[i].pos;
+      const int64_t row = kvv.row(tp[i].slot, tp[i].pos);
       k_.rmsnorm(kvi, C, 1, C, kv_norm, a.rms_norm_eps, cache.kv + row * C, C);
       std::memcpy(cache.pe + row * R, kvi + C, size_t(R) * 4);
     }
@@ -522,18 +544,23 @@ class CpuBackend final : public Backend {
       for (int64_t it0 = b; it0 < e; ++it0) {
         const int64_t it = n * groups - 1 - it0;
         const int64_t i = it / groups, h0 = (it % groups) * G, len = tp[i].pos + 1;
-        const float* kvc = cache.kv + int64_t(tp[i].slot) * max_len * C;
-        const float* pec = cache.pe + int64_t(tp[i].slot) * max_len * R;
         float* sc = s.get<float>(8, size_t(G * len));
         float* sp = s.get<float>(9, size_t(G * len));
-        k_.gemm_nt_f32(qa + (i * H + h0) * C, C, kvc, C, G, len, C, scale, sc, len);
-        k_.gemm_nt_f32(q + (i * H + h0) * qk + nope, qk, pec, R, G, len, R, scale, sp, len);
+        // The sequence's cache rows block by block (each block's rows are contiguous).
+        for (int64_t t0 = 0; t0 < len; t0 += B) {
+          const int64_t bl = std::min(B, len - t0), row = kvv.row(tp[i].slot, t0);
+          k_.gemm_nt_f32(qa + (i * H + h0) * C, C, cache.kv + row * C, C, G, bl, C, scale, sc + t0, len);
+          k_.gemm_nt_f32(q + (i * H + h0) * qk + nope, qk, cache.pe + row * R, R, G, bl, R, scale, sp + t0, len);
+        }
         for (int64_t g = 0; g < G; ++g) {
           float* row = sc + g * len;
           k_.axpy(1.f, sp + g * len, len, row);
           k_.softmax(row, len);
         }
-        k_.gemm_nn_acc_f32(sc, len, kvc, C, G, len, C, ol + (i * H + h0) * C, C);
+        for (int64_t t0 = 0; t0 < len; t0 += B) {
+          const int64_t bl = std::min(B, len - t0), row = kvv.row(tp[i].slot, t0);
+          k_.gemm_nn_acc_f32(sc + t0, len, cache.kv + row * C, C, G, bl, C, ol + (i * H + h0) * C, C);
+        }
       }
     });
     // out[i, h, :] = ol[i, h, :] . wkv_b[h, nope:, :]^T

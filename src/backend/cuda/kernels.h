@@ -81,9 +81,6 @@ void rmsnorm(const Launch& L, const float* x, int64_t n, int64_t d, int64_t stri
 void add(const Launch& L, float* y, const float* x, int64_t n);
 // h[i, :d] += r[i, :d]; y[i, :d] = rmsnorm(h[i]) * w (rows contiguous).
 void add_rmsnorm(const Launch& L, float* h, const float* r, int64_t n, int64_t d, const float* w, float eps, float* y);
-// `count` kernels that only wait (one warp, or `wide`: two 256-thread blocks per SM): the cost of
-// a kernel boundary in the stream, for measurements (CudaOptions::pad_kernels).
-void empty_kernels(const Launch& L, int count, bool wide);
 // Per row of x [rows, cols]: out[r] = {the lowest index of the largest value in [0, limit), the
 // first NaN / +inf index or -1, 1 if every value is -inf}.
 void argmax_rows(const Launch& L, const float* x, int64_t rows, int64_t cols, int64_t limit, int32_t* out);
@@ -314,12 +311,24 @@ void gate_route(const Launch& L, const DevLinear& gate, const float* x, int64_t 
 // ---- MLA (kernels_mla.cu; the decode attention, mla_decode_*: kernels_mla_decode.cu)
 struct MlaDims {
   int H = 0, nope = 0, R = 0, C = 0, V = 0;
-  int64_t max_len = 0;
+  int64_t max_len = 0;     // positions a sequence may reach (score rows of S are this long)
   float scale = 1.f, eps = 1e-6f;
+  // The paged cache (runtime/kv_cache.h): sequence s's position t is cache row
+  // table[s * table_w + t / block] * block + t % block, block = 1 << block_shift.
+  const int32_t* table = nullptr;  // [sequences, table_w] (device)
+  int64_t table_w = 0;
+  int block_shift = 6;
   DSV3_HD int qk() const { return nope + R; }
+  DSV3_HD int64_t row(int32_t slot, int64_t t) const {
+    return (int64_t(table[slot * table_w + (t >> block_shift)]) << block_shift) + (t & ((int64_t(1) << block_shift) - 1));
+  }
 };
+// The latent and rope cache rows [0, len) of sequence `slot`, contiguous: kv [len, C], pe [len, R]
+// (the prefill attention's operands).
+void gather_cache_rows(const Launch& L, const MlaDims& d, int32_t slot, int64_t len, const float* cache_kv,
+                       const float* cache_pe, float* kv, float* pe);
 // Prefill attention in one kernel (kernels_attn.cu).
-// A run of m queries of one slot, query i at position pos0 + i attending keys [0, pos0 + i]:
+// A run of m queries of one sequence, query i at position pos0 + i attending keys [0, pos0 + i]:
 // q [m, H, nope + R] (roped), kvb [pos0 + m, H, nope + V] (k_nope | v, decompressed through
 // wkv_b), pe [pos0 + m, R] (the roped key, shared by the heads); out [m, H * V]. Float32 online
 // softmax; bf16 tensor cores, operands rounded once (fast) or as hi + lo parts (split:
@@ -350,24 +359,32 @@ void mla_scores(const Launch& L, const MlaDims& d, const DevPos* pos, int64_t n,
 int mla_splits(const MlaDims& d, int64_t n);
 void mla_values(const Launch& L, const MlaDims& d, const DevPos* pos, int64_t n, const float* S,
                 const float* cache_kv, int nsplit, float* part, float* ml, float* ol);
-// mla_scores + mla_values in one launch for few tokens (two heads per block; several position
-// splits combined by the last block of each (token, head pair), counted in `counters`: zeroed
-// device words, at least n * ceil(H / 2), left zeroed). mla_decode_ok: the shapes it takes.
-// mla_decode_splits: its position splits for n tokens (from max_len, not the positions: a
-// recorded step replays with others); each token's positions spread over as many of them as
-// give chunks of at least 16 rows, decided on the device.
-// hb: heads per block (1 or 2; counters then at least n * ceil(H / hb)); mla_decode_heads: the
-// choice for n tokens (one head per block for a single token: twice the blocks over a short
-// cache); cap: at most this many splits (0: none).
+// mla_scores + mla_values in one launch for few tokens (decode): each warp folds its cache rows
+// into a running softmax; several position splits are combined by the last block of each (token,
+// head block), counted in `counters` (zeroed device words, at least n * ceil(H / hb), left
+// zeroed). mla_decode_ok: the shapes it takes. mla_decode_splits: its position splits for n
+// tokens (from max_len, not the positions: a recorded step replays with others); each token's
+// positions spread over as many of them as give chunks of at least 16 rows, decided on the
+// device. hb: heads per block (1 or 2); mla_decode_heads: the choice for n tokens (one head per
+// block for a single token: twice the blocks over a short cache); cap: at most this many splits
+// (0: none).
 int mla_decode_heads(int64_t n);
 bool mla_decode_ok(const MlaDims& d, int64_t n, int64_t counters, int hb = 2);
 int mla_decode_splits(const MlaDims& d, int64_t n, int cap = 0, int hb = 2);
-void mla_decode_attn(const Launch& L, const MlaDims& d, const DevPos* pos, int64_t n, const float* qa, const float* q,
-                     const float* cache_kv, const float* cache_pe, int nsplit, float* part, float* ml,
-                     unsigned* counters, float* ol, bool warps = true,  // warps: each warp's rows folded in
-                     int hb = 2,                                        // as loaded; else score/softmax/value passes
-                     bool combine = true);  // false (warps only): with several splits, only part and ml are
-                                            // written (gemv_splits combines them)
+struct DecodeAttn {
+  const float* qa = nullptr;        // [n, H, C] absorbed queries
+  const float* q = nullptr;         // [n, H, qk] (the rope parts)
+  const float* cache_kv = nullptr;  // the paged latent cache
+  const float* cache_pe = nullptr;  // the paged rope-key cache
+  int nsplit = 1;
+  float* part = nullptr;            // [nsplit, n, H, C] split partial sums (nsplit > 1)
+  float* ml = nullptr;              // [nsplit, n, H, 2] their (max, sum)
+  unsigned* counters = nullptr;
+  float* ol = nullptr;              // [n, H, C] the weighted latent sums
+  int hb = 2;
+  bool combine = true;  // false: with several splits only part and ml are written (gemv_splits combines them)
+};
+void mla_decode_attn(const Launch& L, const MlaDims& d, const DevPos* pos, int64_t n, const DecodeAttn& a);
 // Naive: k_nope and v of the new tokens from kvb [n, H * (nope + V)] into the caches.
 void mla_naive_store(const Launch& L, const MlaDims& d, const DevPos* pos, int64_t n, const float* kvb,
                      float* cache_k, float* cache_v);

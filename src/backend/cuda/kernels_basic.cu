@@ -203,15 +203,6 @@ void add(const Launch& L, float* y, const float* x, int64_t n) {
 }
 
 namespace {
-__global__ void empty_kernel() { pdl_wait(); }
-}  // namespace
-
-void empty_kernels(const Launch& L, int count, bool wide) {
-  for (int i = 0; i < count; ++i)
-    launch(L, empty_kernel, dim3(wide ? unsigned(2 * device_sms()) : 1u), dim3(wide ? 256 : 32), 0);
-}
-
-namespace {
 // One warp per 128 values: s = max(amax, 1e-4) * (1/448) (ue8m0: 2^ceil(log2 s)), y = e4m3(x / s)
 // rounded to nearest even, saturated — kernel.py's act_quant, operation for operation.
 __global__ void act_quant_kernel(const float* __restrict__ x, int64_t blocks, bool ue8m0, uint8_t* __restrict__ y,

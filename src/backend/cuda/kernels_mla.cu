@@ -39,7 +39,7 @@ __device__ void prep_token(const PrepArgs& P, int64_t i, float* red) {
   const DevPos p = pos[i];
   const int half = d.R / 2, qk = d.qk();
   const float* cs = rope + int64_t(p.pos) * d.R;
-  const int64_t row = int64_t(p.slot) * d.max_len + p.pos;
+  const int64_t row = d.row(p.slot, p.pos);
   const float* kvi = kv + i * (d.C + d.R);
   for (int e = threadIdx.x; e < d.H * half; e += blockDim.x) {
     const int h = e / half, j = e % half;
@@ -296,7 +296,7 @@ __global__ void __launch_bounds__(256) scores_kernel(MlaDims d, const DevPos* __
 #pragma unroll
     for (int g = 0; g < 4; ++g) {
       const int64_t t = tb + g;
-      const int64_t rp = int64_t(p.slot) * d.max_len + t;
+      const int64_t rp = t >= len ? 0 : d.row(p.slot, t);
 #pragma unroll
       for (int m = 0; m < kMaxJ; ++m) {
         const int j = lane + 32 * m;
@@ -363,17 +363,17 @@ __global__ void __launch_bounds__(128) values_kernel(MlaDims d, const DevPos* __
     }
     __syncthreads();
     if (c < d.C) {
-      const float* kvp = ckv + (int64_t(p.slot) * d.max_len + t) * d.C + c;
+      const float* kvc = ckv + c;  // row r of the cache: kvc[r * C]
       int tt = 0;
       for (; tt + 4 <= tn; tt += 4) {
-        const float w0 = kvp[int64_t(tt) * d.C], w1 = kvp[int64_t(tt + 1) * d.C], w2 = kvp[int64_t(tt + 2) * d.C],
-                    w3 = kvp[int64_t(tt + 3) * d.C];
+        const float w0 = kvc[d.row(p.slot, t + tt) * d.C], w1 = kvc[d.row(p.slot, t + tt + 1) * d.C],
+                    w2 = kvc[d.row(p.slot, t + tt + 2) * d.C], w3 = kvc[d.row(p.slot, t + tt + 3) * d.C];
 #pragma unroll
         for (int h = 0; h < kHB; ++h)
           acc[h] = fmaf(ps[h][tt + 3], w3, fmaf(ps[h][tt + 2], w2, fmaf(ps[h][tt + 1], w1, fmaf(ps[h][tt], w0, acc[h]))));
       }
       for (; tt < tn; ++tt) {
-        const float w = kvp[int64_t(tt) * d.C];
+        const float w = kvc[d.row(p.slot, t + tt) * d.C];
 #pragma unroll
         for (int h = 0; h < kHB; ++h) acc[h] = fmaf(ps[h][tt], w, acc[h]);
       }
@@ -417,7 +417,7 @@ __global__ void naive_store_kernel(MlaDims d, const DevPos* __restrict__ pos, co
   pdl_trigger();
   const int64_t i = blockIdx.x;
   const DevPos p = pos[i];
-  const int64_t row = int64_t(p.slot) * d.max_len + p.pos;
+  const int64_t row = d.row(p.slot, p.pos);
   const int w = d.nope + d.V, qk = d.qk();
   for (int e = threadIdx.x; e < d.H * w; e += blockDim.x) {
     const int h = e / w, j = e % w;
@@ -444,7 +444,7 @@ __global__ void naive_scores_kernel(MlaDims d, const DevPos* __restrict__ pos, c
   for (int u = 0; u < 8; ++u) {
     const int64_t t = t0 + warp * 8 + u;
     if (t >= len) break;
-    const float* k = ck + ((int64_t(p.slot) * d.max_len + t) * d.H + h) * qk;
+    const float* k = ck + (d.row(p.slot, t) * d.H + h) * qk;
     float s = 0.f;
     for (int j = lane; j < qk; j += 32) s = fmaf(qs[j], k[j], s);
     s = warp_sum(s);
@@ -477,7 +477,7 @@ __global__ void naive_values_kernel(MlaDims d, const DevPos* __restrict__ pos, c
       __syncthreads();
       if (dv < d.V)
         for (int tt = 0; tt < tn; ++tt)
-          acc = fmaf(ps[tt], cv[((int64_t(p.slot) * d.max_len + t + tt) * d.H + h) * d.V + dv], acc);
+          acc = fmaf(ps[tt], cv[(d.row(p.slot, t + tt) * d.H + h) * d.V + dv], acc);
     }
     if (dv < d.V) out[i * d.H * d.V + h * d.V + dv] = acc;
   }
@@ -552,6 +552,23 @@ void mla_values(const Launch& L, const MlaDims& d, const DevPos* pos, int64_t n,
   launch(L, values_kernel, grid, dim3(128), 0, d, pos, n, S, cache_kv, nsplit, chunk, hbs, part, ml, ol);
   if (nsplit > 1)
     launch(L, values_reduce_kernel, dim3(unsigned(n * d.H)), dim3(128), 0, d, pos, n, chunk, part, ml, ol);
+}
+
+namespace {
+// Block: one cache row of the sequence (blockIdx.x = position); its C + R values.
+__global__ void gather_rows_kernel(MlaDims d, int32_t slot, const float* __restrict__ ckv,
+                                   const float* __restrict__ cpe, float* __restrict__ kv, float* __restrict__ pe) {
+  pdl_wait();
+  pdl_trigger();
+  const int64_t t = blockIdx.x, r = d.row(slot, t);
+  for (int j = threadIdx.x; j < d.C; j += blockDim.x) kv[t * d.C + j] = ckv[r * d.C + j];
+  for (int j = threadIdx.x; j < d.R; j += blockDim.x) pe[t * d.R + j] = cpe[r * d.R + j];
+}
+}  // namespace
+
+void gather_cache_rows(const Launch& L, const MlaDims& d, int32_t slot, int64_t len, const float* cache_kv,
+                       const float* cache_pe, float* kv, float* pe) {
+  if (len > 0) launch(L, gather_rows_kernel, dim3(unsigned(len)), dim3(128), 0, d, slot, cache_kv, cache_pe, kv, pe);
 }
 
 void mla_naive_store(const Launch& L, const MlaDims& d, const DevPos* pos, int64_t n, const float* kvb, float* cache_k,

@@ -14,12 +14,12 @@ namespace {
 constexpr int kMaxJ = 18;  // (kv_lora_rank + rope) / 32 held per lane: up to 576 (as kernels_mla.cu)
 // Absorbed attention of few tokens in one launch (decode): scores against the latent and rope
 // caches, float32 softmax and the weighted latent sum. Block: token i, HB heads, positions
-// [z * chunk, (z + 1) * chunk) in passes of kDecPass with a running max and sum. With several
+// [z * chunk, (z + 1) * chunk), each warp folding its rows into a running softmax. With several
 // position splits the blocks leave partial sums (part, ml) and the last one to finish for
 // (i, head block), by an atomic count, combines them: no second launch. The chunk follows the
 // token's length on the device (a recorded step replays at any position): the length over the
-// launch's splits, rounded up to whole kDecMinChunk (a block's round of score rows), so short
-// caches spread over several blocks with one short chain of loads each.
+// launch's splits, rounded up to whole kDecMinChunk, so short caches spread over several blocks
+// with one short chain of loads each. Cache rows are read through the step's block tables.
 constexpr int kDecCols = 2;  // latent columns per thread (C <= 512); kDecPass etc.: mla_splits.cuh
 
 // Token i's absorbed query and rope query of heads [h0, h0 + hb) into qs [HB][C + R] (zeros for
@@ -72,135 +72,6 @@ __device__ void combine_splits(const MlaDims& d, int64_t n, int64_t i, int h0, i
   if (DSV3_TRACE && threadIdx.x == 0 && blockIdx.x == 0) trace_point();
 }
 
-template <int HB>
-__global__ void __launch_bounds__(256) decode_attn_kernel(MlaDims d, const DevPos* __restrict__ pos, int64_t n,
-                                                          const float* __restrict__ qa, const float* __restrict__ q,
-                                                          const float* __restrict__ ckv, const float* __restrict__ cpe,
-                                                          float* __restrict__ part,
-                                                          float* __restrict__ ml, unsigned* __restrict__ counters,
-                                                          float* __restrict__ ol) {
-  extern __shared__ float dsm[];  // q [HB][C + R], p [HB][kDecPass]
-  __shared__ float m_run[HB], l_run[HB], alpha[HB];
-  pdl_wait();
-  pdl_trigger();
-  const int nhb = (d.H + HB - 1) / HB, CR = d.C + d.R;
-  const int64_t i = blockIdx.x / nhb;
-  const int h0 = int(blockIdx.x % nhb) * HB, hb = min(HB, d.H - h0);
-  const DevPos p = pos[i];
-  const int64_t len = int64_t(p.pos) + 1, chunk = dec_chunk(len, gridDim.z);
-  const int64_t ts = int64_t(blockIdx.z) * chunk, te = min(len, ts + chunk);
-  if (ts >= len) return;  // not one of this token's splits
-  const int ns = dec_splits(len, chunk);
-  float* qs = dsm;
-  float* ps = dsm + HB * CR;
-  stage_query<HB>(d, qa, q, i, h0, hb, qs);
-  if (threadIdx.x < HB) m_run[threadIdx.x] = -INFINITY, l_run[threadIdx.x] = 0.f;
-  __syncthreads();
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const int64_t row0 = int64_t(p.slot) * d.max_len;
-  float acc[HB][kDecCols];
-#pragma unroll
-  for (int h = 0; h < HB; ++h)
-#pragma unroll
-    for (int c = 0; c < kDecCols; ++c) acc[h][c] = 0.f;
-  for (int64_t t0 = ts; t0 < te; t0 += kDecPass) {
-    const int tn = int(te - t0 < kDecPass ? te - t0 : kDecPass);
-    // Scores: a warp takes positions tt and tt + 8, both cache rows in registers (their loads in
-    // flight together: at short contexts this loop is a chain of round trips).
-    for (int tt = warp; tt < tn; tt += 16) {
-      const bool two = tt + 8 < tn;
-      const int64_t rp = row0 + t0 + tt, rq = rp + 8;
-      float kr[kMaxJ], kq[kMaxJ];
-#pragma unroll
-      for (int m = 0; m < kMaxJ; ++m) {
-        const int j = lane + 32 * m;
-        kr[m] = j < d.C ? ckv[rp * d.C + j] : (j < CR ? cpe[rp * d.R + (j - d.C)] : 0.f);
-        kq[m] = !two ? 0.f : (j < d.C ? ckv[rq * d.C + j] : (j < CR ? cpe[rq * d.R + (j - d.C)] : 0.f));
-      }
-#pragma unroll
-      for (int h = 0; h < HB; ++h) {
-        float sh, sq;
-        row_dots(kr, kq, qs + h * CR, CR, lane, sh, sq);
-        sh = warp_sum(sh);
-        sq = warp_sum(sq);
-        if (lane == 0) {
-          ps[h * kDecPass + tt] = sh * d.scale;
-          if (two) ps[h * kDecPass + tt + 8] = sq * d.scale;
-        }
-      }
-    }
-    __syncthreads();
-    if (warp < hb) {  // running softmax of head `warp`; ps becomes exp(s - m)
-      float* pr = ps + warp * kDecPass;
-      float mx = -INFINITY;
-      for (int tt = lane; tt < tn; tt += 32) mx = fmaxf(mx, pr[tt]);
-      mx = warp_max(mx);
-      const float mo = m_run[warp], mn = fmaxf(mo, mx);
-      float l = 0.f;
-      for (int tt = lane; tt < tn; tt += 32) {
-        const float e = expf(pr[tt] - mn);
-        pr[tt] = e;
-        l += e;
-      }
-      l = warp_sum(l);
-      if (lane == 0) {
-        const float a = expf(mo - mn);  // 0 on the first pass
-        alpha[warp] = a, l_run[warp] = l_run[warp] * a + l, m_run[warp] = mn;
-      }
-    }
-    __syncthreads();
-#pragma unroll
-    for (int c = 0; c < kDecCols; ++c) {
-      const int col = int(threadIdx.x) + 256 * c;
-      if (col >= d.C) continue;
-#pragma unroll
-      for (int h = 0; h < HB; ++h) acc[h][c] *= h < hb ? alpha[h] : 0.f;
-      const float* kvp = ckv + (row0 + t0) * d.C + col;
-      int tt = 0;
-      for (; tt + 8 <= tn; tt += 8) {  // eight cache rows' loads in flight
-        float w[8];
-#pragma unroll
-        for (int u = 0; u < 8; ++u) w[u] = kvp[int64_t(tt + u) * d.C];
-#pragma unroll
-        for (int h = 0; h < HB; ++h) {
-          const float* pr = ps + h * kDecPass + tt;
-          float a = acc[h][c];
-#pragma unroll
-          for (int u = 0; u < 8; ++u) a = fmaf(pr[u], w[u], a);
-          acc[h][c] = a;
-        }
-      }
-      for (; tt < tn; ++tt) {
-        const float w = kvp[int64_t(tt) * d.C];
-#pragma unroll
-        for (int h = 0; h < HB; ++h) acc[h][c] = fmaf(ps[h * kDecPass + tt], w, acc[h][c]);
-      }
-    }
-    __syncthreads();  // ps is rewritten by the next pass
-  }
-  if (ns == 1) {
-#pragma unroll
-    for (int c = 0; c < kDecCols; ++c) {
-      const int col = int(threadIdx.x) + 256 * c;
-      if (col >= d.C) continue;
-      for (int h = 0; h < hb; ++h) ol[(i * d.H + h0 + h) * d.C + col] = acc[h][c] / l_run[h];
-    }
-    return;
-  }
-  const int64_t z = blockIdx.z;
-#pragma unroll
-  for (int c = 0; c < kDecCols; ++c) {
-    const int col = int(threadIdx.x) + 256 * c;
-    if (col >= d.C) continue;
-    for (int h = 0; h < hb; ++h) part[(z * n * d.H + i * d.H + h0 + h) * d.C + col] = acc[h][c];
-  }
-  if (threadIdx.x < hb) {
-    const int64_t ih = i * d.H + h0 + threadIdx.x;
-    ml[(z * n * d.H + ih) * 2] = m_run[threadIdx.x], ml[(z * n * d.H + ih) * 2 + 1] = l_run[threadIdx.x];
-  }
-  combine_splits(d, n, i, h0, hb, ns, part, ml, counters, ol, ps, l_run);
-}
-
 // A block's rows [ts, te) of token i's cache (decode, split z of the launch's gridDim.z) and
 // their fold into the warps' running softmax states: warp w takes the positions w, w + 8, ...
 // two at a time, keeps a running max, sum and latent-weighted sum per head in registers (its
@@ -212,7 +83,8 @@ struct DecRows {
   const MlaDims& d;
   const float* __restrict__ ckv;
   const float* __restrict__ cpe;
-  int64_t len, chunk, ts, te, row0;
+  int64_t len, chunk, ts, te;
+  int32_t slot;
   int warp, lane, CR;
   bool pre = false;
   float kr[kMaxJ], kq[kMaxJ];
@@ -220,14 +92,15 @@ struct DecRows {
       : d(d_), ckv(ckv_), cpe(cpe_), warp(int(threadIdx.x >> 5)), lane(int(threadIdx.x & 31)), CR(d_.C + d_.R) {
     len = int64_t(p.pos) + 1, chunk = dec_chunk(len, gridDim.z);
     ts = int64_t(blockIdx.z) * chunk, te = min(len, ts + chunk);
-    row0 = int64_t(p.slot) * d.max_len;
+    slot = p.slot;
   }
   __device__ int splits() const { return dec_splits(len, chunk); }  // of this token's length
   __device__ void load_row(int64_t t, float* k) const {
+    const int64_t r = d.row(slot, t);
 #pragma unroll
     for (int m = 0; m < kMaxJ; ++m) {
       const int j = lane + 32 * m;
-      k[m] = j < d.C ? ckv[(row0 + t) * d.C + j] : (j < CR ? cpe[(row0 + t) * d.R + (j - d.C)] : 0.f);
+      k[m] = j < d.C ? ckv[r * d.C + j] : (j < CR ? cpe[r * d.R + (j - d.C)] : 0.f);
     }
   }
   __device__ void preload() {
@@ -369,32 +242,22 @@ bool mla_decode_ok(const MlaDims& d, int64_t n, int64_t counters, int hb) {
 
 namespace {
 template <int HB>
-void launch_decode_attn(const Launch& L, const MlaDims& d, const DevPos* pos, int64_t n, const float* qa,
-                        const float* q, const float* cache_kv, const float* cache_pe, int nsplit, float* part,
-                        float* ml, unsigned* counters, float* ol, bool warps, bool combine) {
-  const dim3 grid(unsigned(n * cdiv(d.H, HB)), 1, unsigned(nsplit));
-  if (warps) {
-    const size_t smem = sizeof(float) * size_t(HB) * size_t(d.C + d.R + 8 * d.C + kDecMaxSplits);
-    // (38.4 KB at C 512 and two heads: within the default 48 KB; mla_decode_ok caps C at 512)
-    if (n == 1) launch(L, decode_attn_warps_kernel<HB, true>, grid, dim3(256), smem, d, pos, n, qa, q, cache_kv, cache_pe,
-                       part, ml, counters, ol, combine);
-    else launch(L, decode_attn_warps_kernel<HB, false>, grid, dim3(256), smem, d, pos, n, qa, q, cache_kv, cache_pe,
-                part, ml, counters, ol, combine);
-    return;
-  }
-  const size_t smem = sizeof(float) * size_t(HB) * size_t(d.C + d.R + kDecPass);
-  launch(L, decode_attn_kernel<HB>, grid, dim3(256), smem, d, pos, n, qa, q, cache_kv, cache_pe, part, ml, counters, ol);
+void launch_decode_attn(const Launch& L, const MlaDims& d, const DevPos* pos, int64_t n, const DecodeAttn& a) {
+  const dim3 grid(unsigned(n * cdiv(d.H, HB)), 1, unsigned(a.nsplit));
+  const size_t smem = sizeof(float) * size_t(HB) * size_t(d.C + d.R + 8 * d.C + kDecMaxSplits);
+  // (38.4 KB at C 512 and two heads: within the default 48 KB; mla_decode_ok caps C at 512)
+  if (n == 1) launch(L, decode_attn_warps_kernel<HB, true>, grid, dim3(256), smem, d, pos, n, a.qa, a.q, a.cache_kv,
+                     a.cache_pe, a.part, a.ml, a.counters, a.ol, a.combine);
+  else launch(L, decode_attn_warps_kernel<HB, false>, grid, dim3(256), smem, d, pos, n, a.qa, a.q, a.cache_kv,
+              a.cache_pe, a.part, a.ml, a.counters, a.ol, a.combine);
 }
 }  // namespace
 
-void mla_decode_attn(const Launch& L, const MlaDims& d, const DevPos* pos, int64_t n, const float* qa, const float* q,
-                     const float* cache_kv, const float* cache_pe, int nsplit, float* part, float* ml,
-                     unsigned* counters, float* ol, bool warps, int hb, bool combine) {
-  DSV3_CHECK(nsplit >= 1 && nsplit <= kDecMaxSplits, "mla_decode_attn: ", nsplit, " position splits");
-  DSV3_CHECK(combine || warps, "mla_decode_attn: the split partial sums alone from the warps form only");
-  DSV3_CHECK(hb == 1 || hb == 2, "mla_decode_attn: ", hb, " heads per block");
-  if (hb == 1) launch_decode_attn<1>(L, d, pos, n, qa, q, cache_kv, cache_pe, nsplit, part, ml, counters, ol, warps, combine);
-  else launch_decode_attn<2>(L, d, pos, n, qa, q, cache_kv, cache_pe, nsplit, part, ml, counters, ol, warps, combine);
+void mla_decode_attn(const Launch& L, const MlaDims& d, const DevPos* pos, int64_t n, const DecodeAttn& a) {
+  DSV3_CHECK(a.nsplit >= 1 && a.nsplit <= kDecMaxSplits, "mla_decode_attn: ", a.nsplit, " position splits");
+  DSV3_CHECK(a.hb == 1 || a.hb == 2, "mla_decode_attn: ", a.hb, " heads per block");
+  if (a.hb == 1) launch_decode_attn<1>(L, d, pos, n, a);
+  else launch_decode_attn<2>(L, d, pos, n, a);
 }
 
 }  // namespace dsv3::cuda

@@ -508,33 +508,17 @@ void allow_smem(F* kernel, size_t bytes) {
   have = bytes;
 }
 
-// Blocks per SM that the K split aims for (DSV3_CUDA_TCV_WAVES, a tuning knob; default 1).
-int target_blocks_per_sm() {
-  static const int v = [] {
-    const char* e = std::getenv("DSV3_CUDA_TCV_WAVES");
-    const int n = e && *e ? std::atoi(e) : 1;
-    return n >= 1 && n <= 16 ? n : 1;
-  }();
-  return v;
-}
-
-// Most warps per tile (DSV3_CUDA_TCV_KS_MAX, a tuning knob: 1, 2, 4 or 8; default 8).
-int ks_max() {
-  static const int v = [] {
-    const char* e = std::getenv("DSV3_CUDA_TCV_KS_MAX");
-    const int n = e && *e ? std::atoi(e) : 8;
-    return n == 1 || n == 2 || n == 4 ? n : 8;
-  }();
-  return v;
-}
+// Blocks per SM that the K split aims for, and the most warps per tile (measured on the H200).
+constexpr int kTargetBlocksPerSm = 1;
+constexpr int kKsMax = 8;
 
 // Warps per tile: the fewest that give every SM the target blocks, at most one per iteration.
 int choose_ks(int64_t tiles, int nit) {
   int best = 1;
   for (int ks : {1, 2, 4, 8}) {
-    if (ks > nit || ks > ks_max()) break;
+    if (ks > nit || ks > kKsMax) break;
     best = ks;
-    if ((tiles * ks + kTW - 1) / kTW >= target_blocks_per_sm() * device_sms()) break;
+    if ((tiles * ks + kTW - 1) / kTW >= kTargetBlocksPerSm * device_sms()) break;
   }
   return best;
 }

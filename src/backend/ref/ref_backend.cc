@@ -31,9 +31,9 @@ class RefBackend final : public Backend {
   void upload(float* dst, const float* host, size_t n) override { std::memcpy(dst, host, n * 4); }
   void download(float* host, const float* src, size_t n) override { std::memcpy(host, src, n * 4); }
 
-  void embed(const int32_t* tokens, int64_t n, const TensorView& table, float* y) override {
+  void embed(const Step& s, const TensorView& table, float* y) override {
     const int64_t d = table.dim(1);
-    for (int64_t i = 0; i < n; ++i) tensor_row(table, tokens[i], d, y + i * d);
+    for (int64_t i = 0; i < s.n; ++i) tensor_row(table, s.tokens[i], d, y + i * d);
   }
 
   void rmsnorm(const float* x, int64_t n, int64_t d, int64_t stride, const TensorView& w, float eps,
@@ -65,15 +65,21 @@ class RefBackend final : public Backend {
     for (int64_t i = 0; i < n; ++i) y[i] += x[i];
   }
 
-  void mla(const ModelArgs& a, AttnImpl impl, const AttnWeights& w, const RopeTable& rope, const TokenPos* tp,
-           int64_t n, float* q, float* kv, const LayerCache& cache, int64_t max_len, float* out) override {
+  void mla(const MlaCall& c) override {
+    const ModelArgs& a = *c.a;
+    const AttnWeights& w = *c.w;
+    const LayerCache& cache = *c.cache;
+    const TokenPos* tp = c.step->pos;
+    const KvView& kvv = c.step->kv;
+    const int64_t n = c.step->n;
+    float *q = c.q, *kv = c.kv, *out = c.out;
     const int64_t H = a.n_heads, nope = a.qk_nope_head_dim, R = a.qk_rope_head_dim, qk = nope + R,
                   C = a.kv_lora_rank, V = a.v_head_dim;
     const float scale = a.softmax_scale();
     // RoPE on q_pe and k_pe.
     for (int64_t i = 0; i < n; ++i) {
-      DSV3_CHECK(tp[i].pos < rope.n_positions(), "position ", tp[i].pos, " past the rope table");
-      const float* cs = rope.at(tp[i].pos);
+      DSV3_CHECK(tp[i].pos < c.rope->n_positions, "position ", tp[i].pos, " past the rope table");
+      const float* cs = c.rope->host + size_t(tp[i].pos) * size_t(2 * c.rope->half);
       for (int64_t h = 0; h < H; ++h) apply_rope(q + (i * H + h) * qk + nope, cs, int(R / 2));
       apply_rope(kv + i * (C + R) + C, cs, int(R / 2));
     }
@@ -87,9 +93,9 @@ class RefBackend final : public Backend {
     for (int64_t i = 0; i < n; ++i) std::memcpy(&latent[size_t(i * C)], kv + i * (C + R), size_t(C) * 4);
     rmsnorm(latent.data(), n, C, C, w.kv_norm, a.rms_norm_eps, latent.data());
 
-    if (impl == AttnImpl::kAbsorb) {
+    if (c.impl == AttnImpl::kAbsorb) {
       for (int64_t i = 0; i < n; ++i) {
-        int64_t row = int64_t(tp[i].slot) * max_len + tp[i].pos;
+        const int64_t row = kvv.row(tp[i].slot, tp[i].pos);
         std::memcpy(cache.kv + row * C, &latent[size_t(i * C)], size_t(C) * 4);
         std::memcpy(cache.pe + row * R, kv + i * (C + R) + C, size_t(R) * 4);
       }
@@ -101,16 +107,18 @@ class RefBackend final : public Backend {
           const float* wb = wkv_b.data() + h * (nope + V) * C;
           std::fill(qa.begin(), qa.end(), 0.f);
           for (int64_t d = 0; d < nope; ++d)
-            for (int64_t c = 0; c < C; ++c) qa[size_t(c)] += qi[d] * wb[d * C + c];
-          const float* kvc = cache.kv + int64_t(tp[i].slot) * max_len * C;
-          const float* pec = cache.pe + int64_t(tp[i].slot) * max_len * R;
+            for (int64_t k = 0; k < C; ++k) qa[size_t(k)] += qi[d] * wb[d * C + k];
           sc.assign(size_t(len), 0.f);
-          for (int64_t t = 0; t < len; ++t)
-            sc[size_t(t)] = (dot_f32(qa.data(), kvc + t * C, C) + dot_f32(qi + nope, pec + t * R, R)) * scale;
+          for (int64_t t = 0; t < len; ++t) {
+            const int64_t row = kvv.row(tp[i].slot, t);
+            sc[size_t(t)] = (dot_f32(qa.data(), cache.kv + row * C, C) + dot_f32(qi + nope, cache.pe + row * R, R)) * scale;
+          }
           softmax(sc);
           std::fill(ol.begin(), ol.end(), 0.f);
-          for (int64_t t = 0; t < len; ++t)
-            for (int64_t c = 0; c < C; ++c) ol[size_t(c)] += sc[size_t(t)] * kvc[t * C + c];
+          for (int64_t t = 0; t < len; ++t) {
+            const float* kvr = cache.kv + kvv.row(tp[i].slot, t) * C;
+            for (int64_t k = 0; k < C; ++k) ol[size_t(k)] += sc[size_t(t)] * kvr[k];
+          }
           for (int64_t d = 0; d < V; ++d) out[i * H * V + h * V + d] = dot_f32(ol.data(), wb + (nope + d) * C, C);
         }
       });
@@ -118,7 +126,7 @@ class RefBackend final : public Backend {
     }
     // Naive: k = [wkv_b(latent) nope part, k_pe], v = wkv_b(latent) v part; full cache.
     for (int64_t i = 0; i < n; ++i) {
-      int64_t row = int64_t(tp[i].slot) * max_len + tp[i].pos;
+      const int64_t row = kvv.row(tp[i].slot, tp[i].pos);
       for (int64_t h = 0; h < H; ++h) {
         const float* wb = wkv_b.data() + h * (nope + V) * C;
         float* kc = cache.k + (row * H + h) * qk;
@@ -132,15 +140,16 @@ class RefBackend final : public Backend {
       std::vector<float> sc;
       for (int64_t ih = b; ih < e; ++ih) {
         int64_t i = ih / H, h = ih % H, len = tp[i].pos + 1;
-        const float* kc = cache.k + int64_t(tp[i].slot) * max_len * H * qk;
-        const float* vc = cache.v + int64_t(tp[i].slot) * max_len * H * V;
         sc.assign(size_t(len), 0.f);
-        for (int64_t t = 0; t < len; ++t) sc[size_t(t)] = dot_f32(q + ih * qk, kc + (t * H + h) * qk, qk) * scale;
+        for (int64_t t = 0; t < len; ++t)
+          sc[size_t(t)] = dot_f32(q + ih * qk, cache.k + (kvv.row(tp[i].slot, t) * H + h) * qk, qk) * scale;
         softmax(sc);
         float* o = out + i * H * V + h * V;
         std::fill(o, o + V, 0.f);
-        for (int64_t t = 0; t < len; ++t)
-          for (int64_t d = 0; d < V; ++d) o[d] += sc[size_t(t)] * vc[(t * H + h) * V + d];
+        for (int64_t t = 0; t < len; ++t) {
+          const float* vr = cache.v + (kvv.row(tp[i].slot, t) * H + h) * V;
+          for (int64_t d = 0; d < V; ++d) o[d] += sc[size_t(t)] * vr[d];
+        }
       }
     });
   }

@@ -1,0 +1,186 @@
+// The CUDA backend's multi-head latent attention over the paged cache: RoPE, kv_norm and the
+// cache write, then for few tokens (decode) the absorbed form in one launch (q absorption, the
+// split attention over the latent cache, the value absorption), and for long runs of one
+// sequence (prefill) the latent rows gathered and decompressed through wkv_b, then one flash-style
+// kernel (or cuBLAS scores, softmax and values where its head dims do not fit).
+#include <algorithm>
+
+#include "backend/cuda/backend_impl.h"
+#include "core/error.h"
+
+namespace dsv3::cuda_impl {
+
+namespace {
+
+// Runs of tokens of one sequence at consecutive positions; empty when there are too many (the
+// long-run attention pays per run).
+std::vector<std::pair<int64_t, int64_t>> token_runs(const TokenPos* tp, int64_t n) {
+  std::vector<std::pair<int64_t, int64_t>> runs;
+  for (int64_t i = 0; i < n; ++i) {
+    if (i > 0 && tp[i].slot == tp[i - 1].slot && tp[i].pos == tp[i - 1].pos + 1) runs.back().second = i + 1;
+    else runs.push_back({i, i + 1});
+  }
+  if (int64_t(runs.size()) * 32 > n) runs.clear();
+  return runs;
+}
+
+int log2_exact(int b) {
+  int s = 0;
+  while ((1 << s) < b) ++s;
+  DSV3_CHECK((1 << s) == b, "KV cache block of ", b, " positions (a power of two)");
+  return s;
+}
+
+}  // namespace
+
+cuda::MlaDims CudaBackend::mla_dims(const MlaCall& c, const DevPos** pos) {
+  const ModelArgs& a = *c.a;
+  const KvView& kv = c.step->kv;
+  cuda::MlaDims d;
+  d.H = a.n_heads, d.nope = a.qk_nope_head_dim, d.R = a.qk_rope_head_dim, d.C = a.kv_lora_rank;
+  d.V = a.v_head_dim, d.max_len = kv.max_len(), d.scale = a.softmax_scale(), d.eps = a.rms_norm_eps;
+  d.table = step_table(*c.step), d.table_w = kv.width, d.block_shift = log2_exact(kv.block);
+  DSV3_CHECK(kv.max_len() <= int64_t(c.rope->n_positions) + kv.block, "rope table shorter than the cache");
+  *pos = step_pos(*c.step);
+  return d;
+}
+
+void CudaBackend::mla(const MlaCall& c) {
+  const DevPos* pos = nullptr;
+  const cuda::MlaDims d = mla_dims(c, &pos);
+  const TokenPos* tp = c.step->pos;
+  const int64_t n = c.step->n;
+  const LayerCache& cache = *c.cache;
+  const AttnWeights& w = *c.w;
+  float *q = c.q, *kv = c.kv, *out = c.out;
+  const float* cs = c.rope->data;
+  DSV3_CHECK(w.kv_norm.dtype == DType::F32, "kv_norm not on the device");
+  const DevLinear wkv_b = dev_linear(w.wkv_b);
+  const int64_t H = d.H, C = d.C, V = d.V, nope = d.nope;
+  mark("mla.prep");
+  if (c.impl == AttnImpl::kNaive) {
+    float* lat = f32(kLat, size_t(n * C));
+    cuda::mla_prep(L_, d, true, pos, n, q, kv, w.kv_norm.as<float>(), cs, nullptr, nullptr, lat, cache.k);
+    float* kvb = f32(kKvb, size_t(n * H * (nope + V)));
+    run_linear(wkv_b, lat, n, kvb, H * (nope + V), /*exact=*/true);
+    cuda::mla_naive_store(L_, d, pos, n, kvb, cache.k, cache.v);
+    float* S = f32(kS, size_t(n * H * d.max_len));
+    cuda::mla_naive_scores(L_, d, pos, n, q, cache.k, S);
+    cuda::mla_naive_values(L_, d, pos, n, S, cache.v, out);
+    return;
+  }
+  std::vector<std::pair<int64_t, int64_t>> runs;
+  if (use_tc(n)) runs = token_runs(tp, n);
+  if (!runs.empty()) {
+    cuda::mla_prep(L_, d, false, pos, n, q, kv, w.kv_norm.as<float>(), cs, cache.kv, cache.pe, nullptr, nullptr);
+    mla_runs(d, runs, c, wkv_b);
+    return;
+  }
+  float* ol = f32(kKvb, size_t(n * H * C));
+  const DevLinear wv = slice(wkv_b, nope, V, 0, C);
+  cuda::GemvShift sh;
+  sh.xs = C, sh.ys = V, sh.wrows = nope + V;
+  cuda::DecodeAttn da;
+  da.hb = cuda::mla_decode_heads(n);
+  const bool one = n <= 16 && cuda::mla_decode_ok(d, n, kAttnCounters, da.hb);
+  const int ns = one ? cuda::mla_decode_splits(d, n, 0, da.hb) : cuda::mla_splits(d, n);
+  float* part = ns > 1 ? f32(kPart, size_t(ns * n * H * C)) : nullptr;
+  float* ml = ns > 1 ? f32(kMl, size_t(ns * n * H * 2)) : nullptr;
+  // One token: the value absorption combines the attention's splits.
+  const bool splits_to_vabs = one && n == 1 && ns > 1 && !(use_tc(n) && tc_takes(wv)) && cuda::gemv_splits_ok(L_, wv);
+  float* qa = f32(kLat, size_t(n * H * C));
+  if (nope <= 128) {
+    cuda::mla_prep_qabs(L_, d, pos, n, q, kv, w.kv_norm.as<float>(), cs, cache.kv, cache.pe, wkv_b, qa);
+  } else {
+    cuda::mla_prep(L_, d, false, pos, n, q, kv, w.kv_norm.as<float>(), cs, cache.kv, cache.pe, nullptr, nullptr);
+    mark("mla.qabs");
+    cuda::mla_qabs(L_, d, wkv_b, q, n, qa);
+  }
+  if (one) {
+    mark("mla.attn1");
+    da.qa = qa, da.q = q, da.cache_kv = cache.kv, da.cache_pe = cache.pe, da.nsplit = ns, da.part = part, da.ml = ml;
+    da.counters = attn_counters_, da.ol = ol, da.combine = !splits_to_vabs;
+    cuda::mla_decode_attn(L_, d, pos, n, da);
+  } else {
+    float* S = f32(kS, size_t(n * H * d.max_len));
+    mark("mla.scores");
+    cuda::mla_scores(L_, d, pos, n, qa, q, cache.kv, cache.pe, S);
+    mark("mla.values");
+    cuda::mla_values(L_, d, pos, n, S, cache.kv, ns, part, ml, ol);
+  }
+  // out[i, h*V + v] = ol[i, h, :] · wkv_b[h*(nope+V) + nope + v, :], a GEMV per head.
+  mark("mla.out");
+  if (splits_to_vabs) {
+    cuda::gemv_splits(L_, wv, int(H), sh, pos, ns, part, ml, ol, out);
+    return;
+  }
+  if (use_tc(n) && tc_takes(wv)) {
+    cuda::TcJob j;
+    j.a_hi = scratch(kHi2, size_t(n * H * C) * 2);
+    j.a_lo = scratch(kLo2, size_t(n * H * C) * 2);
+    cuda::split_rows(L_, ol, n * H, C, C, const_cast<void*>(j.a_hi), const_cast<void*>(j.a_lo));
+    j.lda = H * C, j.w = wv, j.M = n, j.c = out, j.ldc = H * V, j.shift = sh;
+    set_form(j, C % 64 == 0, wv.t);
+    cuda::tc_gemm(L_, j, cuda::tc_tiles(n, j.tm), V, int(H));
+    return;
+  }
+  const bool tc = n > opt_.tune.gemv_max && wv.t != cuda::kF32 && cuda::gemm_ok(wv) &&
+                  (wv.t != cuda::kFP8 || (nope + V) % 128 == 0);
+  if (tc) cuda::gemm(L_, wv, nullptr, 0, ol, H * C, nullptr, false, 0, n, out, H * V, false, int(H), sh);
+  else cuda::gemv(L_, wv, nullptr, ol, H * C, nullptr, n, out, H * V, int(H), sh);
+}
+
+// MLA for long runs of a sequence (prefill) over the latent cache: the run's rows [0, end)
+// gathered from their blocks, K/V decompressed through wkv_b (as the naive form; 192 + 128
+// multiply-adds per (query, key, head) instead of the absorbed form's 1088), then the flash
+// kernel, or per head cuBLAS GEMMs for the scores (nope part batched over heads, rope part
+// shared), a causal softmax and the values in chunks of 512 queries. Float32 GEMMs (bf16 tensor
+// cores in fast mode). out [n, H * V].
+void CudaBackend::mla_runs(const cuda::MlaDims& d, const std::vector<std::pair<int64_t, int64_t>>& runs,
+                           const MlaCall& c, const DevLinear& wkv_b) {
+  constexpr int64_t kChunk = 512;
+  const TokenPos* tp = c.step->pos;
+  const int64_t tp_n = c.step->n;
+  const DevPos* pos = step_pos(*c.step);
+  const int64_t H = d.H, C = d.C, R = d.R, nope = d.nope, V = d.V, qk = nope + R, ML = d.max_len, KV = nope + V;
+  const bool flash = cuda::flash_prefill_ok(d);
+  float* S = flash ? nullptr : f32(kS, size_t(tp_n * H * ML));  // score rows of the cuBLAS form
+  // Fast mode: bf16 tensor cores with float32 accumulation (the reference's attention arithmetic).
+  const cublasComputeType_t ct = fast_at(tp_n) ? CUBLAS_COMPUTE_32F_FAST_16BF : CUBLAS_COMPUTE_32F;
+  const float one = 1.f, zero = 0.f, scale = d.scale;
+  for (auto [r0, r1] : runs) {
+    const int64_t end = tp[r1 - 1].pos + 1;
+    mark("mla.gather");
+    float* kvs = f32(kGather, size_t(end * (C + R)));  // [end, C] latent, then [end, R] rope keys
+    float* pes = kvs + end * C;
+    cuda::gather_cache_rows(L_, d, tp[r0].slot, end, c.cache->kv, c.cache->pe, kvs, pes);
+    mark("mla.expand");
+    float* kvb = f32(kKvb, size_t(end * H * KV));  // [end, H, nope + V]
+    run_linear(wkv_b, kvs, end, kvb, H * KV, /*exact=*/true);
+    mark("mla.attn");
+    if (flash) {
+      const int64_t m = r1 - r0, pos0 = tp[r0].pos;
+      void* ws = scratch(kS, cuda::flash_prefill_ws(d, m, pos0));
+      cuda::flash_prefill(L_, d, c.q + r0 * H * qk, m, pos0, kvb, pes, c.out + r0 * H * V, !fast_at(tp_n), ws);
+      continue;
+    }
+    for (int64_t c0 = r0; c0 < r1; c0 += kChunk) {
+      const int64_t c1 = std::min(r1, c0 + kChunk), Lk = tp[c1 - 1].pos + 1, m = c1 - c0;
+      float* Sc = S + c0 * H * ML;
+      const float* qc = c.q + c0 * H * qk;
+      // S[i, h, t] = scale * (q_nope[i, h] · k_nope[t, h] + q_pe[i, h] · pe[t])
+      CB(cublasGemmStridedBatchedEx(cublas_, CUBLAS_OP_T, CUBLAS_OP_N, int(Lk), int(m), int(nope), &scale, kvb,
+                                    CUDA_R_32F, int(H * KV), KV, qc, CUDA_R_32F, int(H * qk), qk, &zero, Sc,
+                                    CUDA_R_32F, int(H * ML), ML, int(H), ct, CUBLAS_GEMM_DEFAULT));
+      CB(cublasGemmEx(cublas_, CUBLAS_OP_T, CUBLAS_OP_N, int(Lk), int(m * H), int(R), &scale, pes, CUDA_R_32F, int(R),
+                      qc + nope, CUDA_R_32F, int(qk), &one, Sc, CUDA_R_32F, int(ML), ct, CUBLAS_GEMM_DEFAULT));
+      cuda::causal_softmax_rows(L_, Sc, m * H, ML, Lk, pos, c0, int(H));
+      // out[i, h*V + v] = sum_t P[i, h, t] * v[t, h, v]
+      CB(cublasGemmStridedBatchedEx(cublas_, CUBLAS_OP_N, CUBLAS_OP_N, int(V), int(m), int(Lk), &one, kvb + nope,
+                                    CUDA_R_32F, int(H * KV), KV, Sc, CUDA_R_32F, int(H * ML), ML, &zero,
+                                    c.out + c0 * H * V, CUDA_R_32F, int(H * V), V, int(H), ct, CUBLAS_GEMM_DEFAULT));
+    }
+  }
+}
+
+}  // namespace dsv3::cuda_impl

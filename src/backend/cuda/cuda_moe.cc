@@ -1,0 +1,204 @@
+// The CUDA backend's DeepSeekMoE: the gate's logits in float32, the router on the device
+// (moe_route.cuh), the routed experts and the shared-expert slices grouped by expert (GEMVs of
+// few tokens, the grouped tensor-core GEMM of many), and the weighted combine — at the end of
+// the op, or in the next node (a deferred combine: kCombineAddRmsNorm and its pair form).
+#include <algorithm>
+
+#include "backend/cuda/backend_impl.h"
+#include "core/error.h"
+
+namespace dsv3::cuda_impl {
+
+namespace {
+
+cuda::RouteArgs route_args(const ModelArgs& a) {
+  cuda::RouteArgs r;
+  r.E = a.n_routed_experts, r.K = a.n_activated_experts, r.G = a.n_expert_groups, r.topk_groups = a.n_limited_groups;
+  r.sigmoid = a.score_func != "softmax", r.norm = a.norm_topk_prob, r.route_scale = a.route_scale;
+  return r;
+}
+
+}  // namespace
+
+// Slices of moe_inter_dim rows balance the work with the routed experts; FP8 slices must start on
+// a 128-row scale block for the tensor-core kernel, else one slice.
+int shared_slices(const ModelArgs& a, const MoEWeights& w) {
+  if (!w.has_shared) return 0;
+  const int64_t rows = w.shared_experts.w1.out(), mi = a.moe_inter_dim, ns = rows / std::max<int64_t>(mi, 1);
+  const bool fp8 = w.shared_experts.w1.weight.dtype == DType::F8_E4M3;
+  const bool split = ns > 1 && ns * mi == rows && (!fp8 || mi % 128 == 0);
+  return split ? int(ns) : 1;
+}
+
+bool CudaBackend::fused_gate(const DevLinear& gate, int64_t n) const {
+  return n <= std::min(opt_.tune.gemv_max, 8) && gate.t != cuda::kFP8 && !(use_tc(n) && tc_takes(gate));
+}
+
+void CudaBackend::moe_op(const ModelArgs& a, const MoEWeights& w, const float* x, int64_t n, float* y,
+                         const cuda::GateNorm* norm, bool defer) {
+  const DevLinear gate = dev_linear(Linear{w.gate, {}});
+  const bool gate_kernel = fused_gate(gate, n);
+  DSV3_CHECK(!norm || (gate_kernel && n == 1), "the add + norm of a MoE's input in a gate that cannot take it");
+  mark("moe.gate");
+  const MoeTable& T = moe_table(a, w);
+  const int E = a.n_routed_experts, K = a.n_activated_experts;
+  // Gate logits [n, E] in float32, then the device router.
+  float* logits = f32(kLogits, size_t(n * E));
+  cuda::MoeSched s = sched(n, E, K, T.S);
+  const bool tc = use_tc(n) && T.tc;
+  const bool swap = tc && moe_swap(T, n);
+  if (tc) s.tile_rows = swap ? 128 : tile_m(T.wtype);
+  const cuda::RouteArgs r = route_args(a);
+  const float* bias = w.bias.empty() ? nullptr : w.bias.as<float>();
+  const int64_t P = s.P(), D = a.dim;
+  const bool gemvs = !tc && (n <= opt_.tune.gemv_max || !T.gemm);
+  cuda::TcJob xs;  // x's split when the gate made it
+  if (gate_kernel) {
+    // One token on the expert GEMVs: their blocks route it from the logits (no last-block router).
+    const bool rie = opt_.tune.route_in_experts && gemvs && n == 1 && E <= 256;
+    cuda::gate_route(L_, gate, x, n, logits, r, bias, s, counter_, !rie, norm);
+    if (rie) s.route_logits = logits, s.route_bias = bias, s.route = r;
+  } else if (tc && tc_takes(gate) && gate.cols == D) {
+    // x split once (hi + lo) for the gate (exact) and the experts' first stage (hi only when fast).
+    xs = split_input(x, n, D, /*fast=*/false);
+    tc_linear(xs, gate, n, logits, E);
+    mark("moe.route");
+    cuda::moe_route(L_, r, logits, bias, s, nullptr, nullptr);
+  } else {
+    run_linear(gate, x, n, logits, E, /*exact=*/true);  // routing: no bf16 shortcut
+    mark("moe.route");
+    cuda::moe_route(L_, r, logits, bias, s, nullptr, nullptr);
+  }
+  mark("moe.experts");
+  float* o = f32(kMoeO, size_t(P * D));
+  if (tc) {
+    cuda::TcJob j0 = xs.a_hi ? xs : split_input(x, n, D, fast_at(n));
+    if (fast_at(n)) j0.a_lo = nullptr;
+    set_form(j0, T.k64, T.wtype);  // tile rows as the schedule's (by the weight type)
+    if (swap) j0.tm = 128, j0.swap = true;  // (moe_swap: the wgmma form)
+    j0.grouped = true, j0.experts = T.dev, j0.a_idx = s.perm;
+    j0.cnt = s.cnt, j0.off = s.off, j0.tile_e = s.tile_e, j0.tile_m0 = s.tile_m0, j0.n_tiles = s.n_tiles;
+    cuda::TcJob j1 = j0;
+    j0.stage = 0, j0.swiglu = true;
+    j0.o_hi = scratch(kHi2, size_t(P * T.rows13) * 2);
+    j0.o_lo = fast_at(n) ? nullptr : scratch(kLo2, size_t(P * T.rows13) * 2);
+    j0.ldo = T.rows13;
+    cuda::tc_gemm(L_, j0, s.max_tiles(), T.rows13);
+    j1.stage = 1, j1.a_idx = nullptr, j1.a_hi = j0.o_hi, j1.a_lo = j0.o_lo, j1.lda = T.rows13;
+    j1.c = o, j1.ldc = D;
+    cuda::tc_gemm(L_, j1, s.max_tiles(), T.rows2);
+  } else if (gemvs) {
+    // GEMVs: on tensor cores where they take the experts (tcv_moe), else the FMA kernels.
+    float* h = f32(kMoeH, size_t(P * T.rows13));
+    if (!(T.tcv && cuda::tcv_moe(L_, 0, T.dev, T.rows13, T.wtype, s, x, D, h, T.rows13)))
+      cuda::moe_gemv(L_, 0, T.dev, T.rows13, T.wtype, s, x, D, h, T.rows13);
+    if (!(T.tcv && cuda::tcv_moe(L_, 1, T.dev, T.rows2, T.wtype, s, h, T.rows13, o, D)))
+      cuda::moe_gemv(L_, 1, T.dev, T.rows2, T.wtype, s, h, T.rows13, o, D);
+  } else {
+    float* h = f32(kMoeH, size_t(P * 2 * T.rows13));
+    cuda::moe_gemm(L_, 0, T.dev, T.rows13, T.wtype, s, x, D, T.rows13, h, 2 * T.rows13, fast_at(n));
+    cuda::moe_gemm(L_, 1, T.dev, T.rows2, T.wtype, s, h, 2 * T.rows13, T.rows13, o, D, fast_at(n));
+  }
+  if (defer) return;  // the next node combines (combine_view)
+  mark("moe.combine");
+  cuda::moe_combine(L_, s, o, D, y);
+}
+
+// The deferred combine of `moe` (the op before `add`): the same schedule and expert outputs
+// the MoE node left in scratch, y its output, then add's h += y and norm's x = rmsnorm(h).
+cuda::CombineNorm CudaBackend::combine_view(const StepGraph& g, const Op& moe, const Op& add, const Op& norm) {
+  DSV3_CHECK(moe.kind == OpKind::kMoe && add.kind == OpKind::kAdd && add.in == moe.out && norm.in == add.out,
+             "a deferred MoE combine outside moe; add; rmsnorm");
+  const ModelArgs& a = *g.args;
+  const Value &y = g.val(moe.out), &h = g.val(add.out), &x = g.val(norm.out);
+  const MoeTable& T = moe_table(a, *moe.moe);
+  cuda::CombineNorm cn;
+  cn.s = sched(y.rows, a.n_routed_experts, a.n_activated_experts, T.S);
+  cn.o = f32(kMoeO, size_t(cn.s.P() * a.dim));
+  cn.d = a.dim, cn.y = y.data, cn.h = h.data, cn.w = norm.weight->as<float>(), cn.eps = norm.eps, cn.x = x.data;
+  return cn;
+}
+
+// A MoE layer's grouped stages of n tokens with the weights as the MMA's A and each tile's
+// tokens as its N (Tuning::tc_swap), where the wgmma form takes them.
+bool CudaBackend::moe_swap(const MoeTable& T, int64_t n) const {
+  const int sw = opt_.tune.tc_swap;
+  const bool want = sw == 2 || (sw == 1 && (T.wtype == cuda::kFP8 || fast_at(n)));
+  return want && wgmma_ && T.k64;
+}
+
+cuda::MoeSched CudaBackend::sched(int64_t n, int E, int K, int S) {
+  cuda::MoeSched s;
+  s.n = n, s.E = E, s.K = K, s.S = S;
+  s.experts_run = experts_run_;
+  const int64_t NE = s.NE(), P = s.P(), T = s.max_tiles(), Kt = K + S;
+  const size_t words = size_t(3 * NE + 2 + P + 2 * n * Kt + 2 * T);
+  int32_t* b = static_cast<int32_t*>(scratch(kSched, words * 4));
+  s.cnt = b, b += NE;
+  s.off = b, b += NE;
+  s.active = b, b += NE;
+  s.n_active = b++;
+  s.n_tiles = b++;
+  s.perm = b, b += P;
+  s.pair_of = b, b += n * Kt;
+  s.pw = reinterpret_cast<float*>(b), b += n * Kt;
+  s.tile_e = b, b += T;
+  s.tile_m0 = b;
+  return s;
+}
+
+const MoeTable& CudaBackend::moe_table(const ModelArgs& a, const MoEWeights& w) {
+  const void* key = w.experts.at(0).w1.weight.data;
+  auto it = moe_.find(key);
+  if (it != moe_.end()) return it->second;
+  no_capture("MoE table build");
+  MoeTable T;
+  std::vector<cuda::DevExpert> v;
+  for (const MLPWeights& e : w.experts) v.push_back({dev_linear(e.w1), dev_linear(e.w3), dev_linear(e.w2)});
+  if (w.has_shared) {
+    const DevLinear s1 = dev_linear(w.shared_experts.w1), s3 = dev_linear(w.shared_experts.w3),
+                    s2 = dev_linear(w.shared_experts.w2);
+    const int S = shared_slices(a, w);
+    const int64_t rows = s1.rows / S;
+    for (int64_t j = 0; j < S; ++j)
+      v.push_back({slice(s1, j * rows, rows, 0, s1.cols), slice(s3, j * rows, rows, 0, s3.cols),
+                   slice(s2, 0, s2.rows, j * rows, rows)});
+    T.S = S;
+  }
+  T.wtype = v[0].w1.t;
+  T.gemm = true;
+  T.tc = true;
+  T.k64 = true;
+  T.tcv = true;
+  for (cuda::DevExpert& e : v) {
+    for (const DevLinear* l : {&e.w1, &e.w3, &e.w2}) {
+      if (l->t != T.wtype) fail("CUDA backend: MoE layer mixes weight dtypes");
+      T.tcv = T.tcv && cuda::tcv_ok(*l);
+      T.gemm = T.gemm && cuda::gemm_ok(*l) && l->t != cuda::kF32;
+      T.tc = T.tc && tc_takes(*l);
+      T.k64 = T.k64 && l->cols % 64 == 0;
+    }
+    e.vec13 = cuda::vec_ok(e.w1) && cuda::vec_ok(e.w3);
+    e.vec2 = cuda::vec_ok(e.w2);
+    T.rows13 = std::max(T.rows13, e.w1.rows);
+    T.rows2 = std::max(T.rows2, e.w2.rows);
+  }
+  CK(cudaMalloc(&T.dev, v.size() * sizeof(cuda::DevExpert)));
+  CK(cudaMemcpy(T.dev, v.data(), v.size() * sizeof(cuda::DevExpert), cudaMemcpyHostToDevice));
+  return moe_.emplace(key, T).first->second;
+}
+
+// Test hook: the router alone.
+void CudaBackend::route(const ModelArgs& a, const float* logits, const float* bias, int64_t n, int32_t* idx,
+                        float* wts) {
+  const int K = a.n_activated_experts;
+  cuda::MoeSched s = sched(n, a.n_routed_experts, K, 0);
+  int32_t* di = static_cast<int32_t*>(scratch(kTopk, size_t(n * K) * 8));
+  float* dw = reinterpret_cast<float*>(di + n * K);
+  cuda::moe_route(L_, route_args(a), logits, bias, s, di, dw);
+  CK(cudaMemcpyAsync(idx, di, size_t(n * K) * 4, cudaMemcpyDeviceToHost, stream_));
+  CK(cudaMemcpyAsync(wts, dw, size_t(n * K) * 4, cudaMemcpyDeviceToHost, stream_));
+  CK(cudaStreamSynchronize(stream_));
+}
+
+}  // namespace dsv3::cuda_impl

@@ -1,0 +1,87 @@
+#include "runtime/kv_cache.h"
+
+#include <algorithm>
+
+#include "core/error.h"
+
+namespace dsv3 {
+
+int64_t KvCache::bytes_per_position(const ModelArgs& a, AttnImpl attn) {
+  const int64_t per_layer = attn == AttnImpl::kAbsorb ? a.kv_lora_rank + a.qk_rope_head_dim
+                                                      : int64_t(a.n_heads) * (a.qk_head_dim() + a.v_head_dim);
+  return per_layer * int64_t(sizeof(float)) * a.n_layers;
+}
+
+KvCache::KvCache(const ModelArgs& a, Backend& be, const Options& o) : be_(be), opt_(o) {
+  if (o.block <= 0 || (o.block & (o.block - 1)) != 0) fail("KV cache: block of ", o.block, " positions (a power of two)");
+  if (o.n_blocks <= 0 || o.n_blocks > INT32_MAX) fail("KV cache: ", o.n_blocks, " blocks");
+  if (o.max_len <= 0) fail("KV cache: a sequence of ", o.max_len, " positions");
+  pos_bytes_ = bytes_per_position(a, o.attn);
+  const size_t rows = size_t(o.n_blocks) * size_t(o.block);
+  layers_.resize(size_t(a.n_layers));
+  for (LayerCache& c : layers_) {
+    if (o.attn == AttnImpl::kAbsorb) {
+      c.kv = be_.alloc(rows * size_t(a.kv_lora_rank));
+      c.pe = be_.alloc(rows * size_t(a.qk_rope_head_dim));
+    } else {
+      c.k = be_.alloc(rows * size_t(a.n_heads) * size_t(a.qk_head_dim()));
+      c.v = be_.alloc(rows * size_t(a.n_heads) * size_t(a.v_head_dim));
+    }
+  }
+  refs_.assign(size_t(o.n_blocks), 0);
+  free_.reserve(size_t(o.n_blocks));
+  for (int64_t b = o.n_blocks - 1; b >= 0; --b) free_.push_back(int32_t(b));  // block 0 taken first
+}
+
+KvCache::~KvCache() {
+  for (LayerCache& c : layers_)
+    for (float* p : {c.kv, c.pe, c.k, c.v})
+      if (p) be_.release(p);
+}
+
+int64_t KvCache::bytes() const { return n_blocks() * opt_.block * pos_bytes_; }
+
+int32_t KvCache::take() {
+  if (free_.empty()) return -1;
+  const int32_t b = free_.back();
+  free_.pop_back();
+  refs_[size_t(b)] = 1;
+  return b;
+}
+
+void KvCache::retain(int32_t b) {
+  DSV3_CHECK(b >= 0 && b < n_blocks() && refs_[size_t(b)] > 0, "retain of block ", b);
+  ++refs_[size_t(b)];
+}
+
+void KvCache::release(int32_t b) {
+  DSV3_CHECK(b >= 0 && b < n_blocks() && refs_[size_t(b)] > 0, "release of block ", b);
+  if (--refs_[size_t(b)] == 0) free_.push_back(b);
+}
+
+bool KvCache::grow(BlockTable& t, int64_t positions) {
+  DSV3_CHECK(positions <= opt_.max_len, "a sequence of ", positions, " positions past the cache's ", opt_.max_len);
+  const int64_t need = (positions + opt_.block - 1) / opt_.block - int64_t(t.blocks.size());
+  if (need <= 0) return true;
+  if (need > free_blocks()) return false;
+  for (int64_t i = 0; i < need; ++i) t.blocks.push_back(take());
+  return true;
+}
+
+void KvCache::reserve(BlockTable& t, int64_t positions) {
+  if (grow(t, positions)) return;
+  const int64_t have = int64_t(t.blocks.size()) * opt_.block;
+  fail("out of KV cache: ", positions - have, " more positions needed, ", free_blocks() * opt_.block,
+       " free of the ", n_blocks() * opt_.block, " the cache holds (", double(bytes()) / 1e9,
+       " GB; raise --kv-cache-gb or run fewer sequences at once)");
+}
+
+void KvCache::truncate(BlockTable& t, int64_t positions) {
+  const size_t keep = size_t((std::max<int64_t>(positions, 0) + opt_.block - 1) / opt_.block);
+  while (t.blocks.size() > keep) {
+    release(t.blocks.back());
+    t.blocks.pop_back();
+  }
+}
+
+}  // namespace dsv3
