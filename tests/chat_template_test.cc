@@ -5,7 +5,6 @@
 #include "text/chat_template.h"
 
 #include <gtest/gtest.h>
-#include <sys/wait.h>
 #include <unistd.h>
 
 #include <cstdio>
@@ -13,13 +12,15 @@
 #include <filesystem>
 #include <fstream>
 #include <functional>
-#include <sstream>
 #include <string>
 
+#include "cli_util.h"
 #include "core/error.h"
 #include "text/tokenizer.h"
 
 using dsv3::ChatTemplate;
+using dsv3::testing_util::CliRun;
+using dsv3::testing_util::run_dsv3;
 using ojson = nlohmann::ordered_json;
 namespace fs = std::filesystem;
 
@@ -355,29 +356,11 @@ void write_file(const std::string& path, const std::string& text) {
   std::ofstream f(path, std::ios::binary);
   f << text;
 }
-std::string read_file(const std::string& path) {
-  std::ifstream f(path, std::ios::binary);
-  std::ostringstream ss;
-  ss << f.rdbuf();
-  return ss.str();
-}
 
 std::string ids_line(const std::vector<int32_t>& ids) {
   std::string s;
   for (size_t i = 0; i < ids.size(); ++i) s += (i ? " " : "") + std::to_string(ids[i]);
   return s + "\n";
-}
-
-struct CliRun {
-  int rc;
-  std::string out, err;
-};
-// Runs the dsv3 binary with `args` (already shell-quoted), capturing stdout and stderr.
-CliRun run_dsv3(const std::string& args) {
-  std::string out = temp_path("stdout"), err = temp_path("stderr");
-  std::string cmd = std::string("'") + DSV3_BINARY + "' " + args + " >'" + out + "' 2>'" + err + "'";
-  int status = std::system(cmd.c_str());
-  return {WIFEXITED(status) ? WEXITSTATUS(status) : -1, read_file(out), read_file(err)};
 }
 
 }  // namespace
