@@ -671,7 +671,7 @@ TEST(KvCacheBudget, CutsMaxLenAndNamesTheBudgetWhenExceeded) {
   ModelOptions opt;
   opt.max_slots = 4;
   auto probe = Checkpoint::open(dir);
-  const int64_t per_pos = kv_cache_bytes_per_position(probe->args(), AttnImpl::kAbsorb);
+  const int64_t per_pos = kv_cache_bytes_per_position(load_model_args(*probe), AttnImpl::kAbsorb);
   opt.kv_cache_gb = double(4 * 10 * per_pos + 100) / 1e9;  // 10 positions per sequence
   Model model(std::move(probe), make_cpu_backend(), opt);
   EXPECT_EQ(model.max_len(), 10);

@@ -352,7 +352,7 @@ TEST(Synth, TinyLoadsAndValidatesInBothDtypes) {
     EXPECT_EQ(r.n_shards, 1);
     auto ck = Checkpoint::open(dir);
     EXPECT_EQ(ck->layout(), "hf");
-    const ModelArgs& a = ck->args();
+    const ModelArgs a = load_model_args(*ck);
     EXPECT_EQ(a.dtype, dtype);
     EXPECT_GT(a.q_lora_rank, 0);
     EXPECT_GT(a.n_expert_groups, 1);
@@ -438,7 +438,7 @@ TEST(Synth, Fp8IsTheBlockQuantisedFormOfTheBf16Values) {
   ModelWeights wb = load_weights(*cb);
   for (const char* q : {"fp8", "ue8m0"}) {
     auto cq = Checkpoint::open(d / q);
-    EXPECT_EQ(cq->args().scale_fmt, std::string(q) == "ue8m0" ? "ue8m0" : "");
+    EXPECT_EQ(load_model_args(*cq).scale_fmt, std::string(q) == "ue8m0" ? "ue8m0" : "");
     ModelWeights wq = load_weights(*cq);
     int checked = 0;
     auto compare = [&](const Linear& b, const Linear& f, const std::string& name) {
@@ -594,7 +594,7 @@ TEST(Synth, CopiesTheTokenizerWhenThereIsOne) {
   EXPECT_EQ(slurp(d / "m/tokenizer.json"), slurp(tok + "/tokenizer.json"));
   if (fs::exists(tok + "/tokenizer_config.json"))
     EXPECT_EQ(slurp(d / "m/tokenizer_config.json"), slurp(tok + "/tokenizer_config.json"));
-  EXPECT_EQ(Checkpoint::open(d / "m")->args().dtype, "fp8");  // tiny's own dtype
+  EXPECT_EQ(load_model_args(*Checkpoint::open(d / "m")).dtype, "fp8");  // tiny's own dtype
 }
 
 namespace {
