@@ -9,8 +9,8 @@
 
 #include "cli_util.h"
 #include "golden_util.h"
-#include "model/synth.h"
 #include "text/tokenizer.h"
+#include "tools/synth.h"
 
 using dsv3::testing_util::CliRun;
 using dsv3::testing_util::run_dsv3;

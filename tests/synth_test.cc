@@ -28,8 +28,8 @@
 #include "io/safetensors.h"
 #include "io/safetensors_writer.h"
 #include "model/model.h"
-#include "model/synth.h"
 #include "model/weights.h"
+#include "tools/synth.h"
 
 using namespace dsv3;
 using namespace dsv3::testing_util;

@@ -1,4 +1,4 @@
-#include "model/synth.h"
+#include "tools/synth.h"
 
 #include <fcntl.h>
 #include <signal.h>
