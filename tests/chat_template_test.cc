@@ -8,7 +8,6 @@
 #include <unistd.h>
 
 #include <cstdio>
-#include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <functional>
@@ -26,24 +25,11 @@ namespace fs = std::filesystem;
 
 namespace {
 
-// The DeepSeek-V3 tokenizer directory: $DSV3_TOKENIZER_DIR, else the cache that
-// scripts/fetch_tokenizer.sh fills (${DSV3_CACHE:-$HOME/.cache/dsv3}/tokenizer/deepseek-v3).
-std::string tokenizer_dir() {
-  if (const char* d = std::getenv("DSV3_TOKENIZER_DIR"); d && *d) return d;
-  std::string cache;
-  if (const char* c = std::getenv("DSV3_CACHE"); c && *c)
-    cache = c;
-  else
-    cache = std::string(std::getenv("HOME") ? std::getenv("HOME") : "/root") + "/.cache/dsv3";
-  return cache + "/tokenizer/deepseek-v3";
-}
-
-// Fails the test (not skips) when the tokenizer files are missing.
-#define REQUIRE_TOKENIZER(dir)                                                                   \
-  const std::string dir = tokenizer_dir();                                                       \
-  ASSERT_TRUE(fs::exists(dir + "/tokenizer_config.json") && fs::exists(dir + "/tokenizer.json")) \
-      << "DeepSeek-V3 tokenizer not found in " << dir                                            \
-      << ": run scripts/fetch_tokenizer.sh or set DSV3_TOKENIZER_DIR"
+// The DeepSeek-V3 tokenizer directory (text/tokenizer.h's find_tokenizer_dir). Fails the test
+// (not skips) when there is none, with the reason.
+#define REQUIRE_TOKENIZER(dir) \
+  std::string dir;             \
+  ASSERT_NO_THROW(dir = dsv3::find_tokenizer_dir(""))
 
 ojson load_json(const std::string& path) {
   std::ifstream f(path);

@@ -29,6 +29,7 @@
 #include "io/safetensors_writer.h"
 #include "model/model.h"
 #include "model/weights.h"
+#include "text/tokenizer.h"
 #include "tools/synth.h"
 
 using namespace dsv3;
@@ -582,11 +583,11 @@ TEST(Synth, TinyModelGivesFiniteLogitsThatVaryWithTheToken) {
 
 TEST(Synth, CopiesTheTokenizerWhenThereIsOne) {
   std::string tok;
-  if (const char* d = std::getenv("DSV3_TOKENIZER_DIR"); d && *d) tok = d;
-  else if (const char* c = std::getenv("DSV3_CACHE"); c && *c) tok = std::string(c) + "/tokenizer/deepseek-v3";
-  else if (const char* h = std::getenv("HOME"); h && *h) tok = std::string(h) + "/.cache/dsv3/tokenizer/deepseek-v3";
-  if (tok.empty() || !fs::exists(tok + "/tokenizer.json"))
-    GTEST_SKIP() << "no tokenizer installed (scripts/fetch_tokenizer.sh)";
+  try {
+    tok = find_tokenizer_dir("");
+  } catch (const Error& e) {
+    GTEST_SKIP() << e.what();
+  }
   TempDir d;
   auto [rc, out] = run(std::string(DSV3_BINARY) + " synth --shape tiny --out " + d / "m" + " --seed 3");
   ASSERT_EQ(rc, 0) << out;
