@@ -1,51 +1,35 @@
 // The DeepSeek-V3 chat template (text/chat_template.h) against Hugging Face: every chat of the
-// golden tokenizer files (prompt string and ids from transformers 5.17 apply_chat_template), tool
-// call chats rendered by Jinja2 3.1.6 with transformers' settings (kToolChats), bad input, and the
-// `dsv3 template` command.
+// golden tokenizer files (prompt string from transformers 5.17 apply_chat_template, ids from HF
+// tokenizers' encoding of it), tool call chats rendered by Jinja2 3.1.6 with transformers'
+// settings (kToolChats), bad input, and the `dsv3 template` command.
 #include "text/chat_template.h"
 
 #include <gtest/gtest.h>
-#include <sys/wait.h>
 #include <unistd.h>
 
-#include <algorithm>
-#include <climits>
 #include <cstdio>
-#include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <functional>
-#include <sstream>
 #include <string>
-#include <unordered_map>
 
+#include "cli_util.h"
 #include "core/error.h"
 #include "text/tokenizer.h"
 
 using dsv3::ChatTemplate;
+using dsv3::testing_util::CliRun;
+using dsv3::testing_util::run_dsv3;
 using ojson = nlohmann::ordered_json;
 namespace fs = std::filesystem;
 
 namespace {
 
-// The DeepSeek-V3 tokenizer directory: $DSV3_TOKENIZER_DIR, else the cache that
-// scripts/fetch_tokenizer.sh fills (${DSV3_CACHE:-$HOME/.cache/dsv3}/tokenizer/deepseek-v3).
-std::string tokenizer_dir() {
-  if (const char* d = std::getenv("DSV3_TOKENIZER_DIR"); d && *d) return d;
-  std::string cache;
-  if (const char* c = std::getenv("DSV3_CACHE"); c && *c)
-    cache = c;
-  else
-    cache = std::string(std::getenv("HOME") ? std::getenv("HOME") : "/root") + "/.cache/dsv3";
-  return cache + "/tokenizer/deepseek-v3";
-}
-
-// Fails the test (not skips) when the tokenizer files are missing.
-#define REQUIRE_TOKENIZER(dir)                                                                   \
-  const std::string dir = tokenizer_dir();                                                       \
-  ASSERT_TRUE(fs::exists(dir + "/tokenizer_config.json") && fs::exists(dir + "/tokenizer.json")) \
-      << "DeepSeek-V3 tokenizer not found in " << dir                                            \
-      << ": run scripts/fetch_tokenizer.sh or set DSV3_TOKENIZER_DIR"
+// The DeepSeek-V3 tokenizer directory (text/tokenizer.h's find_tokenizer_dir). Fails the test
+// (not skips) when there is none, with the reason.
+#define REQUIRE_TOKENIZER(dir) \
+  std::string dir;             \
+  ASSERT_NO_THROW(dir = dsv3::find_tokenizer_dir(""))
 
 ojson load_json(const std::string& path) {
   std::ifstream f(path);
@@ -358,29 +342,11 @@ void write_file(const std::string& path, const std::string& text) {
   std::ofstream f(path, std::ios::binary);
   f << text;
 }
-std::string read_file(const std::string& path) {
-  std::ifstream f(path, std::ios::binary);
-  std::ostringstream ss;
-  ss << f.rdbuf();
-  return ss.str();
-}
 
 std::string ids_line(const std::vector<int32_t>& ids) {
   std::string s;
   for (size_t i = 0; i < ids.size(); ++i) s += (i ? " " : "") + std::to_string(ids[i]);
   return s + "\n";
-}
-
-struct CliRun {
-  int rc;
-  std::string out, err;
-};
-// Runs the dsv3 binary with `args` (already shell-quoted), capturing stdout and stderr.
-CliRun run_dsv3(const std::string& args) {
-  std::string out = temp_path("stdout"), err = temp_path("stderr");
-  std::string cmd = std::string("'") + DSV3_BINARY + "' " + args + " >'" + out + "' 2>'" + err + "'";
-  int status = std::system(cmd.c_str());
-  return {WIFEXITED(status) ? WEXITSTATUS(status) : -1, read_file(out), read_file(err)};
 }
 
 }  // namespace
@@ -405,117 +371,21 @@ TEST(ChatTemplate, RendersEveryGoldenChatLikeTransformers) {
   EXPECT_EQ(n, 24u);  // 4 + 20 chats
 }
 
-// What transformers 5.17 did to these prompts. It rebuilds DeepSeek-V3's tokenizer from its declared
-// class (LlamaTokenizerFast) as a SentencePiece-style BPE and drops tokenizer.json's Split and
-// ByteLevel pre-tokenizers: between added tokens, every character that is not itself a vocab
-// symbol (space, newline, most non-ASCII) is silently dropped (no unk, no byte fallback) and the
-// rest is merged as one word. The golden chats' "ids" are exactly this (all 24 of them), so they
-// are not the ids the model was trained on; the engine instead encodes the rendered prompt with
-// the tokenizer.json pipeline (Tokenizer::encode, exact to HF tokenizers on every golden text),
-// as transformers 4 and other servers do. This reproduces the oracle's ids to show that the
-// prompt strings are the oracle's and that the difference in ids is only that defect.
-class Transformers5LlamaBpe {
- public:
-  explicit Transformers5LlamaBpe(const std::string& dir) {
-    std::ifstream f(dir + "/tokenizer.json");
-    nlohmann::json tj = nlohmann::json::parse(f);  // not ordered_json: its lookups are linear
-    for (const auto& [k, v] : tj.at("model").at("vocab").items()) vocab_[k] = v.get<int32_t>();
-    int rank = 0;
-    for (const auto& m : tj.at("model").at("merges")) {
-      std::string a, b;
-      if (m.is_string()) {
-        std::string s = m.get<std::string>();
-        a = s.substr(0, s.find(' ')), b = s.substr(s.find(' ') + 1);
-      } else {
-        a = m[0].get<std::string>(), b = m[1].get<std::string>();
-      }
-      ranks_[a + '\x01' + b] = rank++;
-    }
-    for (const auto& t : tj.at("added_tokens"))
-      added_.emplace_back(t.at("content").get<std::string>(), t.at("id").get<int32_t>());
-  }
-  std::vector<int32_t> encode(const std::string& text) const {
-    std::vector<int32_t> ids;
-    std::string word;
-    for (size_t i = 0; i < text.size();) {
-      const std::pair<std::string, int32_t>* hit = nullptr;  // leftmost-longest added token
-      for (const auto& a : added_)
-        if (text.compare(i, a.first.size(), a.first) == 0 && (!hit || a.first.size() > hit->first.size()))
-          hit = &a;
-      if (hit) {
-        flush(word, ids);
-        ids.push_back(hit->second);
-        i += hit->first.size();
-        continue;
-      }
-      size_t n = 1;
-      while (i + n < text.size() && (static_cast<unsigned char>(text[i + n]) & 0xC0) == 0x80) ++n;
-      std::string ch = text.substr(i, n);
-      if (vocab_.count(ch)) word += ch;  // anything else vanishes
-      i += n;
-    }
-    flush(word, ids);
-    return ids;
-  }
-
- private:
-  void flush(std::string& word, std::vector<int32_t>& ids) const {
-    std::vector<std::string> syms;
-    for (size_t i = 0; i < word.size();) {
-      size_t n = 1;
-      while (i + n < word.size() && (static_cast<unsigned char>(word[i + n]) & 0xC0) == 0x80) ++n;
-      syms.push_back(word.substr(i, n));
-      i += n;
-    }
-    auto rank_of = [&](size_t i) {  // rank of the pair (syms[i], syms[i+1]); INT_MAX: no merge
-      auto it = ranks_.find(syms[i] + '\x01' + syms[i + 1]);
-      return it == ranks_.end() ? INT_MAX : it->second;
-    };
-    std::vector<int> pair_rank;
-    for (size_t i = 0; i + 1 < syms.size(); ++i) pair_rank.push_back(rank_of(i));
-    for (;;) {  // merge the lowest-ranked adjacent pair until none is left
-      auto best = std::min_element(pair_rank.begin(), pair_rank.end());
-      if (best == pair_rank.end() || *best == INT_MAX) break;
-      size_t i = size_t(best - pair_rank.begin());
-      syms[i] += syms[i + 1];
-      syms.erase(syms.begin() + i + 1);
-      pair_rank.erase(pair_rank.begin() + i);
-      if (i + 1 < syms.size()) pair_rank[i] = rank_of(i);
-      if (i > 0) pair_rank[i - 1] = rank_of(i - 1);
-    }
-    for (const auto& s : syms) ids.push_back(vocab_.at(s));
-    word.clear();
-  }
-  std::unordered_map<std::string, int32_t> vocab_;
-  std::unordered_map<std::string, int> ranks_;
-  std::vector<std::pair<std::string, int32_t>> added_;
-};
-
+// The golden ids are HF tokenizers' encoding of the rendered prompt; dsv3's must be exactly those.
 TEST(ChatTemplate, GoldenChatIdsAreTheRenderedPromptEncoded) {
   REQUIRE_TOKENIZER(dir);
   ChatTemplate t = ChatTemplate::load(dir);
   auto tok = dsv3::Tokenizer::load(dir);
-  Transformers5LlamaBpe transformers5(dir);
-  size_t same = 0;
+  size_t n = 0;
   for (const char* file : {"tokenizer_cases.json", "tokenizer_random_public.json"}) {
     for (const Chat& c : golden_chats(file)) {
       SCOPED_TRACE(c.where);
-      std::string prompt = t.render(c.messages, c.add_generation_prompt);
-      std::vector<int32_t> ids = tok->encode(prompt);
-      // The oracle's ids are transformers 5's defective tokenization of exactly this prompt ...
-      EXPECT_EQ(transformers5.encode(prompt), c.ids);
-      // ... and where that defect changes nothing, ours are the oracle's ids themselves.
-      if (transformers5.encode(prompt) == ids) {
-        EXPECT_EQ(ids, c.ids);
-        ++same;
-      }
+      ASSERT_FALSE(c.ids.empty());
+      EXPECT_EQ(tok->encode(t.render(c.messages, c.add_generation_prompt)), c.ids);
+      ++n;
     }
   }
-  EXPECT_GE(same, 1u);  // tokenizer_cases.json chats[0]: "<｜User｜>Hello!<｜Assistant｜>"
-  // The ids the engine feeds the model keep what the defect drops (spaces, newlines, CJK).
-  EXPECT_EQ(
-      tok->decode(tok->encode(t.render(ojson::parse(R"([{"role": "user", "content": "你好, world\n"}])")))),
-      "<｜begin▁of▁sentence｜><｜User｜>你好, world\n<｜Assistant｜>");
+  EXPECT_EQ(n, 24u);  // 4 + 20 chats
 }
 
 TEST(ChatTemplate, RendersToolCallsAndToolOutputsLikeJinja2) {
@@ -635,13 +505,7 @@ TEST(ChatTemplate, CommandPrintsTextAndIds) {
   EXPECT_EQ(text.out, chat.at("prompt").get<std::string>());
   CliRun ids = run_dsv3("template --tokenizer '" + dir + "' --messages '" + file + "'");
   EXPECT_EQ(ids.rc, 0) << ids.err;
-  EXPECT_EQ(ids.out, ids_line(dsv3::Tokenizer::load(dir)->encode(chat.at("prompt").get<std::string>())));
-  // chats[0] is untouched by transformers 5's tokenizer defect: the oracle's ids exactly.
-  const ojson& hello = doc.at("chats").at(0);
-  write_file(file, hello.at("messages").dump());
-  CliRun hello_ids = run_dsv3("template --tokenizer '" + dir + "' --messages '" + file + "'");
-  EXPECT_EQ(hello_ids.rc, 0) << hello_ids.err;
-  EXPECT_EQ(hello_ids.out, ids_line(hello.at("ids").get<std::vector<int32_t>>()));
+  EXPECT_EQ(ids.out, ids_line(chat.at("ids").get<std::vector<int32_t>>()));
   // An object with "messages" and "tools" is accepted too.
   file = temp_path("messages.json");
   write_file(file, ojson{{"messages", chat.at("messages")}, {"tools", ojson::array()}}.dump());

@@ -10,8 +10,8 @@
 #include <string>
 #include <thread>
 
-#include "model/synth.h"
 #include "text/tokenizer.h"
+#include "tools/synth.h"
 
 namespace {
 

@@ -680,7 +680,7 @@ TEST(KvCacheBudget, HoldsWhatTheBudgetPaysForAndNamesItWhenExceeded) {
   ModelOptions opt;
   opt.max_seqs = 4;
   auto probe = Checkpoint::open(dir);
-  const int64_t per_pos = KvCache::bytes_per_position(probe->args(), AttnImpl::kAbsorb);
+  const int64_t per_pos = KvCache::bytes_per_position(load_model_args(*probe), AttnImpl::kAbsorb);
   opt.kv_cache_gb = double(2 * 64 * per_pos + 100) / 1e9;  // two blocks of 64 positions
   Model model(std::move(probe), make_cpu_backend(), opt);
   EXPECT_EQ(model.kv_cache().n_blocks(), 2);

@@ -636,7 +636,7 @@ struct TwoWeights {
   ModelArgs a;
   TwoWeights(const std::string& c, Backend& cuda) {
     ck = Checkpoint::open(case_dir(c) + "/hf");
-    a = ck->args();
+    a = load_model_args(*ck);
     host = load_weights(*ck);
     dev = load_weights(*ck);
     cuda.prepare_weights(a, dev);

@@ -82,7 +82,7 @@ TEST(Rewrites, ApplyWhereTheOpsMatchInAModelsGraph) {
                      "add_rmsnorm_moe: attn_residual.1 ffn_norm.1 ffn.1 +defer\n"
                      "combine_add_rmsnorm_pair: ffn_residual.1 attn_norm.2 wq.2 wkv_a.2\n")) << p;
   // The last layer's MoE has no norm after it: it combines itself.
-  const std::string last = std::to_string(Checkpoint::open(case_dir("v2lite_bf16") + "/hf")->args().n_layers - 1);
+  const std::string last = std::to_string(load_model_args(*Checkpoint::open(case_dir("v2lite_bf16") + "/hf")).n_layers - 1);
   EXPECT_TRUE(has(p, " ffn." + last + "\nnone: ffn_residual." + last + "\nnone: last.-1\nnone: norm.-1\n"
                      "none: head.-1\n")) << p;
   // v3_fp8: q LoRA; wq_a and wkv_a are the two products of x.

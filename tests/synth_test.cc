@@ -28,8 +28,9 @@
 #include "io/safetensors.h"
 #include "io/safetensors_writer.h"
 #include "runtime/model.h"
-#include "model/synth.h"
 #include "model/weights.h"
+#include "text/tokenizer.h"
+#include "tools/synth.h"
 
 using namespace dsv3;
 using namespace dsv3::testing_util;
@@ -352,7 +353,7 @@ TEST(Synth, TinyLoadsAndValidatesInBothDtypes) {
     EXPECT_EQ(r.n_shards, 1);
     auto ck = Checkpoint::open(dir);
     EXPECT_EQ(ck->layout(), "hf");
-    const ModelArgs& a = ck->args();
+    const ModelArgs a = load_model_args(*ck);
     EXPECT_EQ(a.dtype, dtype);
     EXPECT_GT(a.q_lora_rank, 0);
     EXPECT_GT(a.n_expert_groups, 1);
@@ -438,7 +439,7 @@ TEST(Synth, Fp8IsTheBlockQuantisedFormOfTheBf16Values) {
   ModelWeights wb = load_weights(*cb);
   for (const char* q : {"fp8", "ue8m0"}) {
     auto cq = Checkpoint::open(d / q);
-    EXPECT_EQ(cq->args().scale_fmt, std::string(q) == "ue8m0" ? "ue8m0" : "");
+    EXPECT_EQ(load_model_args(*cq).scale_fmt, std::string(q) == "ue8m0" ? "ue8m0" : "");
     ModelWeights wq = load_weights(*cq);
     int checked = 0;
     auto compare = [&](const Linear& b, const Linear& f, const std::string& name) {
@@ -582,11 +583,11 @@ TEST(Synth, TinyModelGivesFiniteLogitsThatVaryWithTheToken) {
 
 TEST(Synth, CopiesTheTokenizerWhenThereIsOne) {
   std::string tok;
-  if (const char* d = std::getenv("DSV3_TOKENIZER_DIR"); d && *d) tok = d;
-  else if (const char* c = std::getenv("DSV3_CACHE"); c && *c) tok = std::string(c) + "/tokenizer/deepseek-v3";
-  else if (const char* h = std::getenv("HOME"); h && *h) tok = std::string(h) + "/.cache/dsv3/tokenizer/deepseek-v3";
-  if (tok.empty() || !fs::exists(tok + "/tokenizer.json"))
-    GTEST_SKIP() << "no tokenizer installed (scripts/fetch_tokenizer.sh)";
+  try {
+    tok = find_tokenizer_dir("");
+  } catch (const Error& e) {
+    GTEST_SKIP() << e.what();
+  }
   TempDir d;
   auto [rc, out] = run(std::string(DSV3_BINARY) + " synth --shape tiny --out " + d / "m" + " --seed 3");
   ASSERT_EQ(rc, 0) << out;
@@ -594,7 +595,7 @@ TEST(Synth, CopiesTheTokenizerWhenThereIsOne) {
   EXPECT_EQ(slurp(d / "m/tokenizer.json"), slurp(tok + "/tokenizer.json"));
   if (fs::exists(tok + "/tokenizer_config.json"))
     EXPECT_EQ(slurp(d / "m/tokenizer_config.json"), slurp(tok + "/tokenizer_config.json"));
-  EXPECT_EQ(Checkpoint::open(d / "m")->args().dtype, "fp8");  // tiny's own dtype
+  EXPECT_EQ(load_model_args(*Checkpoint::open(d / "m")).dtype, "fp8");  // tiny's own dtype
 }
 
 namespace {

@@ -78,13 +78,13 @@ std::unique_ptr<Checkpoint> Checkpoint::open(const std::string& dir, const std::
   std::set<std::string> present(entries.begin(), entries.end());
   std::string ref_file = "model" + std::to_string(rank) + "-mp" + std::to_string(world) + ".safetensors";
 
-  std::string cfg = config_path;
-  if (cfg.empty()) {
+  ck->config_path_ = config_path;
+  if (ck->config_path_.empty()) {
     if (!present.count("config.json"))
       fail(dir, ": no config.json (pass --config for a reference-layout directory)");
-    cfg = dir + "/config.json";
+    ck->config_path_ = dir + "/config.json";
   }
-  ck->args_ = load_model_args(cfg);
+  ck->config_text_ = read_text_file(ck->config_path_);
 
   auto add_file = [&](const std::string& fname, bool hf_names,
                       const std::set<std::string>* expected) -> void {

@@ -2,6 +2,7 @@
 // by model.safetensors.index.json) or the reference's converted layout
 // (model{rank}-mp{N}.safetensors with its short names, plus a ModelArgs JSON). Every tensor is
 // reachable under its reference name (see hf_to_ref_name), as a zero-copy view into an mmap.
+// The config is kept as text; model/config.h's load_model_args(Checkpoint) parses it.
 #pragma once
 #include <map>
 #include <memory>
@@ -10,7 +11,6 @@
 
 #include "core/tensor.h"
 #include "io/safetensors.h"
-#include "model/config.h"
 
 namespace dsv3 {
 
@@ -30,7 +30,8 @@ class Checkpoint {
   static std::unique_ptr<Checkpoint> open(const std::string& dir, const std::string& config_path = "",
                                           int rank = 0, int world = 1);
 
-  const ModelArgs& args() const { return args_; }
+  const std::string& config_text() const { return config_text_; }  // the config file's JSON, unparsed
+  const std::string& config_path() const { return config_path_; }  // where it was read from
   const std::string& dir() const { return dir_; }
   const std::string& layout() const { return layout_; }  // "hf" or "reference"
   bool has(const std::string& ref_name) const { return where_.count(ref_name) != 0; }
@@ -42,8 +43,7 @@ class Checkpoint {
   bool lock_memory();
 
  private:
-  std::string dir_, layout_;
-  ModelArgs args_;
+  std::string dir_, layout_, config_path_, config_text_;
   std::vector<std::unique_ptr<SafetensorsFile>> files_;
   std::map<std::string, std::pair<size_t, std::string>> where_;  // ref name -> (file, name in file)
 };

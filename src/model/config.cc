@@ -6,6 +6,7 @@
 #include <nlohmann/json.hpp>
 
 #include "core/error.h"
+#include "io/checkpoint.h"
 #include "io/mmap_file.h"
 
 namespace dsv3 {
@@ -248,5 +249,6 @@ ModelArgs parse_model_args(const std::string& text, const std::string& what) {
 }
 
 ModelArgs load_model_args(const std::string& path) { return parse_model_args(read_text_file(path), path); }
+ModelArgs load_model_args(const Checkpoint& ck) { return parse_model_args(ck.config_text(), ck.config_path()); }
 
 }  // namespace dsv3

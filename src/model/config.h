@@ -5,6 +5,8 @@
 
 namespace dsv3 {
 
+class Checkpoint;
+
 struct ModelArgs {
   int max_batch_size = 8;        // reference ModelArgs only; the engine sizes its own KV cache
   int max_seq_len = 4096 * 4;    // HF: max_position_embeddings
@@ -60,5 +62,7 @@ struct ModelArgs {
 // source in errors. Unknown fields are ignored; missing required ones are errors.
 ModelArgs parse_model_args(const std::string& json_text, const std::string& what);
 ModelArgs load_model_args(const std::string& path);
+// The config of an opened checkpoint (its --config file or config.json), parsed.
+ModelArgs load_model_args(const Checkpoint& ck);
 
 }  // namespace dsv3

@@ -68,7 +68,7 @@ static bool is_float(DType t) {
 }
 
 ModelWeights load_weights(const Checkpoint& ck) {
-  const ModelArgs& a = ck.args();
+  const ModelArgs a = load_model_args(ck);
   ModelWeights w;
   for (const WeightSpec& s : weight_manifest(a, &w)) {
     std::string tname = s.tensor_name();

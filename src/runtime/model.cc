@@ -10,7 +10,7 @@
 namespace dsv3 {
 
 Model::Model(std::unique_ptr<Checkpoint> ck, std::unique_ptr<Backend> backend, const ModelOptions& opt)
-    : ck_(std::move(ck)), be_(std::move(backend)), opt_(opt), args_(ck_->args()) {
+    : ck_(std::move(ck)), be_(std::move(backend)), opt_(opt), args_(load_model_args(*ck_)) {
   w_ = load_weights(*ck_);
   be_->prepare_weights(args_, w_);
   init();

@@ -54,6 +54,7 @@ class StreamDecoder {
 // Where the tokenizer files for a model live: `model_dir` when it has tokenizer.json, else the
 // cache that scripts/fetch_tokenizer.sh fills ($DSV3_TOKENIZER_DIR, else
 // ${DSV3_CACHE:-$HOME/.cache/dsv3}/tokenizer/deepseek-v3). Throws Error when neither has one.
+// The only place that knows this search: commands, synth and the tests all call it.
 std::string find_tokenizer_dir(const std::string& model_dir);
 
 }  // namespace dsv3

@@ -182,7 +182,7 @@ int run_bench(int argc, char** argv) {
     locked = ck->lock_memory();
     if (!locked) std::fprintf(out, "warning: mlock refused (%s); weights stay pageable\n", std::strerror(errno));
   }
-  const ModelArgs a = ck->args();
+  const ModelArgs a = load_model_args(*ck);
   const int max_b = *std::max_element(batches.begin(), batches.end());
   ModelOptions opt;
   opt.attn = args.get("attn", "absorb") == "naive" ? AttnImpl::kNaive : AttnImpl::kAbsorb;

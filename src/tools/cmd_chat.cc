@@ -16,6 +16,7 @@
 #include "text/tokenizer.h"
 #include "tools/command.h"
 #include "tools/model_options.h"
+#include "tools/sampling_options.h"
 
 namespace dsv3 {
 namespace {
@@ -35,21 +36,13 @@ void on_sigint(int) {
 
 int run_chat(int argc, char** argv) {
   Args args(argc, argv,
-            with_model_options({"system", "max-new-tokens", "temperature", "top-p", "top-k", "min-p",
-                                "repetition-penalty", "seed", "tokenizer", "max-len"}),
+            with_model_options(with_sampling_options({"system", "max-new-tokens", "tokenizer", "max-len"})),
             {});
+  const SamplingParams sp = parse_sampling_options(args);
   std::string model_dir = args.require("model");
   std::string tdir = args.has("tokenizer") ? args.get("tokenizer") : find_tokenizer_dir(model_dir);
   auto tok = Tokenizer::load(tdir);
   ChatTemplate tmpl = ChatTemplate::load(tdir);
-  SamplingParams sp;
-  sp.temperature = float(args.get_float("temperature", 0.2));
-  sp.top_p = float(args.get_float("top-p", 1.0));
-  sp.top_k = int(args.get_int("top-k", 0));
-  sp.min_p = float(args.get_float("min-p", 0.0));
-  sp.repetition_penalty = float(args.get_float("repetition-penalty", 1.0));
-  sp.seed = uint64_t(args.get_int("seed", 0));
-  sp.validate();
   const int max_new = int(args.get_int("max-new-tokens", 200));
   LoadedModel lm = load_model(args, 1, int(args.get_int("max-len", 4096)));
   Model& model = *lm.model;
@@ -137,7 +130,9 @@ int run_chat(int argc, char** argv) {
 
 }  // namespace
 
-DSV3_COMMAND(chat, "--model DIR [--system TEXT] [--temperature T] [--max-new-tokens N] [--max-len N]: interactive chat",
+DSV3_COMMAND(chat,
+             "--model DIR [--system TEXT] [--max-new-tokens N] [--max-len N] " DSV3_SAMPLING_USAGE
+             ": interactive chat",
              run_chat);
 
 }  // namespace dsv3

@@ -15,6 +15,7 @@
 #include "text/tokenizer.h"
 #include "tools/command.h"
 #include "tools/model_options.h"
+#include "tools/sampling_options.h"
 
 namespace dsv3 {
 namespace {
@@ -58,12 +59,12 @@ std::vector<std::string> read_text_lines(const std::string& path) {
 
 int run_generate(int argc, char** argv) {
   Args args(argc, argv,
-            with_model_options({"input-file", "input-ids", "prompt", "max-new-tokens", "temperature", "top-p",
-                                "top-k", "min-p", "repetition-penalty", "presence-penalty", "frequency-penalty",
-                                "seed", "system", "tokenizer", "batch"}),
+            with_model_options(with_sampling_options(
+                {"input-file", "input-ids", "prompt", "max-new-tokens", "system", "tokenizer", "batch"})),
             {"raw", "json", "ignore-eos"});
   int sources = args.has("input-file") + args.has("input-ids") + args.has("prompt");
   if (sources != 1) fail("give exactly one of --prompt TEXT, --input-file F, --input-ids F");
+  const SamplingParams sp = parse_sampling_options(args);
   const bool json_out = args.has("json");
 
   std::unique_ptr<Tokenizer> tok;
@@ -96,16 +97,6 @@ int run_generate(int argc, char** argv) {
     }
   }
 
-  SamplingParams sp;
-  sp.temperature = float(args.get_float("temperature", 0.2));  // the reference's default
-  sp.top_p = float(args.get_float("top-p", 1.0));
-  sp.top_k = int(args.get_int("top-k", 0));
-  sp.min_p = float(args.get_float("min-p", 0.0));
-  sp.repetition_penalty = float(args.get_float("repetition-penalty", 1.0));
-  sp.presence_penalty = float(args.get_float("presence-penalty", 0.0));
-  sp.frequency_penalty = float(args.get_float("frequency-penalty", 0.0));
-  sp.seed = uint64_t(args.get_int("seed", 0));
-  sp.validate();
   const int max_new = int(args.get_int("max-new-tokens", 200));  // the reference's default
   const int batch = int(std::max<long>(1, args.get_int("batch", 8)));
 
@@ -158,9 +149,10 @@ int run_generate(int argc, char** argv) {
 
 }  // namespace
 
-DSV3_COMMAND(generate,
-             "--model DIR (--prompt TEXT | --input-file F | --input-ids F) [--max-new-tokens N] [--temperature T] "
-             "[--top-p P] [--top-k K] [--min-p P] [--seed S] [--raw] [--json] [--ignore-eos] [--system TEXT]: batch generation",
-             run_generate);
+DSV3_COMMAND(
+    generate,
+    "--model DIR (--prompt TEXT | --input-file F | --input-ids F) [--max-new-tokens N] " DSV3_SAMPLING_USAGE
+    " [--raw] [--json] [--ignore-eos] [--system TEXT]: batch generation",
+    run_generate);
 
 }  // namespace dsv3

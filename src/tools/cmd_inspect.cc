@@ -23,7 +23,7 @@ std::string human(double bytes) {
 int run_inspect(int argc, char** argv) {
   Args args(argc, argv, {"model", "config"});
   auto ck = Checkpoint::open(args.require("model"), args.get("config"));
-  const ModelArgs& a = ck->args();
+  const ModelArgs a = load_model_args(*ck);
   int moe_layers = 0;
   for (int i = 0; i < a.n_layers; ++i) moe_layers += a.is_moe_layer(i);
   std::printf("checkpoint  %s (%s layout)\n", ck->dir().c_str(), ck->layout().c_str());

@@ -1,5 +1,5 @@
 // dsv3 synth: writes a random-weight checkpoint of a real model's shape in Hugging Face layout
-// (the demo model, and the benchmark models without a download). See model/synth.h.
+// (the demo model, and the benchmark models without a download). See tools/synth.h.
 #include <signal.h>
 #include <unistd.h>
 
@@ -13,7 +13,7 @@
 
 #include "core/error.h"
 #include "core/thread_pool.h"
-#include "model/synth.h"
+#include "tools/synth.h"
 #include "tools/command.h"
 
 namespace dsv3 {

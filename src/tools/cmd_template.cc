@@ -51,8 +51,8 @@ int run_template(int argc, char** argv) {
   if (args.has("text")) {
     out = prompt;
   } else {
-    // The template writes the special tokens itself (bos included): encode adds none, as
-    // apply_chat_template(tokenize=True) does.
+    // The template writes the special tokens itself (bos included): encode adds none, as HF
+    // tokenizers' encode(prompt, add_special_tokens=False) (the golden chat ids).
     auto tok = Tokenizer::load(dir);
     for (int32_t id : tok->encode(prompt)) out += (out.empty() ? "" : " ") + std::to_string(id);
     out += '\n';

@@ -35,7 +35,7 @@ LoadedModel load_model(const Args& args, int slots, int max_len, const std::stri
   ModelOptions opt;
   opt.attn = parse_attn(args.get("attn", "absorb"));
   opt.max_seqs = std::max(1, slots);
-  opt.max_len = std::min(max_len, ck->args().max_seq_len);
+  opt.max_len = std::min(max_len, load_model_args(*ck).max_seq_len);
   opt.kv_cache_gb = args.get_float("kv-cache-gb", 0);  // 0: sized for slots x max_len
   LoadedModel lm;
   lm.model = std::make_unique<Model>(std::move(ck), make_backend(args.get("backend", backend.empty() ? default_backend() : backend)), opt);

@@ -44,7 +44,7 @@ struct SynthOptions {
   int threads = 0;                // 0 = the global ThreadPool
   bool force = false;             // replace an existing non-empty out_dir (only if it holds a config.json)
   bool tokenizer = true;          // copy tokenizer.json (+ tokenizer_config.json); Error if none found
-  std::string tokenizer_dir;      // "" = $DSV3_TOKENIZER_DIR, else ${DSV3_CACHE:-~/.cache/dsv3}/tokenizer/deepseek-v3
+  std::string tokenizer_dir;      // "" = find_tokenizer_dir("") (text/tokenizer.h)
   bool fsync = true;              // fsync each file before the final rename
   // Called after each write with (data bytes written, data bytes in total).
   std::function<void(uint64_t, uint64_t)> progress;

@@ -1,4 +1,4 @@
-#include "model/synth.h"
+#include "tools/synth.h"
 
 #include <fcntl.h>
 #include <signal.h>
@@ -25,6 +25,7 @@
 #include "io/mmap_file.h"
 #include "io/safetensors_writer.h"
 #include "model/weights.h"
+#include "text/tokenizer.h"
 
 namespace dsv3 {
 
@@ -377,19 +378,6 @@ void gen_band(const Item& it, int64_t band, bool ue8m0, uint8_t* out, std::vecto
   }
 }
 
-// Where the tokenizer files live: $DSV3_TOKENIZER_DIR, else
-// ${DSV3_CACHE:-$HOME/.cache/dsv3}/tokenizer/deepseek-v3 (text/tokenizer.h's find_tokenizer_dir("")
-// lookup, kept here so that synth does not depend on the tokenizer library).
-std::string default_tokenizer_dir() {
-  std::string cache;
-  if (const char* d = std::getenv("DSV3_TOKENIZER_DIR"); d && *d) cache = d;
-  else if (const char* c = std::getenv("DSV3_CACHE"); c && *c) cache = std::string(c) + "/tokenizer/deepseek-v3";
-  else if (const char* h = std::getenv("HOME"); h && *h) cache = std::string(h) + "/.cache/dsv3/tokenizer/deepseek-v3";
-  if (!cache.empty() && file_exists(cache + "/tokenizer.json")) return cache;
-  fail("no tokenizer.json found in ", cache.empty() ? std::string("the cache (HOME is not set)") : "'" + cache + "'",
-       "; run scripts/fetch_tokenizer.sh or set DSV3_TOKENIZER_DIR");
-}
-
 std::string strip_slashes(std::string p) {
   while (p.size() > 1 && p.back() == '/') p.pop_back();
   return p;
@@ -582,7 +570,7 @@ SynthResult synthesize(const SynthOptions& opt) {
   std::string tok_dir;
   if (opt.tokenizer) {
     try {
-      tok_dir = opt.tokenizer_dir.empty() ? default_tokenizer_dir() : opt.tokenizer_dir;
+      tok_dir = opt.tokenizer_dir.empty() ? find_tokenizer_dir("") : opt.tokenizer_dir;
     } catch (const Error& e) {
       fail(e.what(), " (or pass --no-tokenizer to write the model without tokenizer files)");
     }
