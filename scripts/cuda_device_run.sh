@@ -39,6 +39,12 @@ export PATH=/usr/local/cuda/bin:$PATH
 export LD_LIBRARY_PATH=/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}
 log() { echo "== $(date +%T) $*" | tee -a "$OUT/summary.txt"; }
 
+if [ -n "${OLD_TREE:-}" ]; then  # (the A/B's other tree builds in the background meanwhile: see OLD_TREE below)
+  cp -r "$DEPS" "$OLD_TREE/.devdeps" 2>/dev/null
+  sed -i 's#B=/tmp/dsv3_cuda_build#B=/tmp/dsv3_old_build#' "$OLD_TREE/scripts/cuda_device_run.sh"
+  (cd "$OLD_TREE" && OUT=/tmp/old_out TESTS=none BENCH_ARGS=none JOBS=8 bash scripts/cuda_device_run.sh > "$OUT/old_build.log" 2>&1) &
+  OLD_PID=$!
+fi
 log "device"
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv > "$OUT/nvidia-smi.txt" 2>&1
 cat "$OUT/nvidia-smi.txt" | tee -a "$OUT/summary.txt"
@@ -47,9 +53,8 @@ g++ --version | head -1 | tee -a "$OUT/summary.txt"
 
 CXXFLAGS="-std=c++20 -O2 -g -DDSV3_HAVE_CUDA -I$ROOT/src -I$DEPS/include -I$DEPS/gtest/include -I/usr/local/cuda/include"
 NVFLAGS="-std=c++17 -O3 -lineinfo -DDSV3_HAVE_CUDA -I$ROOT/src -gencode=arch=compute_90a,code=sm_90a -Xptxas -v"
-SRCS="src/core/*.cc src/io/mmap_file.cc src/io/safetensors.cc src/io/safetensors_writer.cc src/io/checkpoint.cc src/model/config.cc
-      src/model/gate.cc src/model/model.cc src/model/rope.cc src/model/weights.cc src/backend/ref/*.cc
-      src/backend/cuda/*.cc src/runtime/generate.cc src/runtime/sampler.cc"
+SRCS="src/core/*.cc src/io/mmap_file.cc src/io/safetensors.cc src/io/safetensors_writer.cc src/io/checkpoint.cc src/model/*.cc
+      src/backend/backend.cc src/backend/ref/*.cc src/backend/cuda/*.cc src/dist/*.cc src/runtime/*.cc"
 log "build"
 t0=$(date +%s)
 JOBS=${JOBS:-$(nproc)}
@@ -70,7 +75,7 @@ compile bench/cublaslt_fp8_bench.cc "$B/ltbench.o" g++ $CXXFLAGS -Ibench
 [ -n "${SKEL_ARGS:-}" ] && compile bench/cuda_step_skeleton_bench.cu "$B/skel.o" nvcc $NVFLAGS
 if [ "${CLI:-0}" = 1 ]; then  # the dsv3 binary with the bench command only (for --device cuda)
   mkdir -p "$B/cli"
-  for s in src/backend/registry.cc src/backend/cpu/*.cc src/tools/main.cc src/tools/cmd_bench.cc; do
+  for s in src/backend/registry.cc src/backend/cpu/*.cc src/tools/main.cc src/tools/cmd_bench.cc src/tools/model_options.cc; do
     compile "$s" "$B/cli/$(echo "$s" | tr / _).o" g++ $CXXFLAGS
   done
 fi
@@ -141,6 +146,20 @@ if [ "$BENCH_ARGS" != none ]; then
       done
     done
   fi
+fi
+if [ -n "${OLD_TREE:-}" ]; then  # A/B against another tree's dsv3_cuda_bench (e.g. main before a change, in an
+  # untracked folder carried along): built with that tree's own device script, run alternately with this one,
+  # OLD_ROUNDS times, with OLD_ARGS (default BENCH_ARGS)
+  wait $OLD_PID
+  log "old tree $OLD_TREE built: rc=$? ($(grep 'build done' /tmp/old_out/summary.txt 2>/dev/null))"
+  for r in $(seq 1 ${OLD_ROUNDS:-2}); do
+    for v in old new; do
+      bin=$B/bench; [ $v = old ] && bin=/tmp/dsv3_old_build/bench
+      log "A/B $v round $r: ${OLD_ARGS:-$BENCH_ARGS}"
+      timeout ${BENCH_TIMEOUT:-200} "$bin" ${OLD_ARGS:-$BENCH_ARGS} > "$OUT/ab_${v}_$r.log" 2>&1
+      grep -E "tok/s" "$OUT/ab_${v}_$r.log" | tee -a "$OUT/summary.txt"
+    done
+  done
 fi
 if [ -n "${ENV_AB:-}" ]; then  # e.g. ENV_AB="-|DSV3_CUDA_PAIR_GEMV=0|DSV3_CUDA_PAIR_GEMV=0 DSV3_CUDA_FLASH=0|@alt"
   EARGS=${ENV_ARGS:---dtypes fp8,bf16 --decode-only --batches 1 --variants default}

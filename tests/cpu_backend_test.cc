@@ -717,7 +717,31 @@ TEST(BenchCommand, PrintsOneJsonObjectWithTheFloors) {
   EXPECT_EQ(j["decode"][1]["batch"].get<int>(), 3);
   EXPECT_GT(j["decode"][1]["bytes_per_step"].get<double>(), j["decode"][0]["bytes_per_step"].get<double>());
   EXPECT_GT(j["decode"][0]["fraction_of_floor"].get<double>(), 0);
+  EXPECT_EQ(j["decode"][1]["tokens"].get<int>(), 3 * 3);  // decoded as generate runs it: 3 tokens each
   EXPECT_GT(j["peak_rss_bytes"].get<int64_t>(), 0);
+}
+
+// dsv3 bench's model choice: a checkpoint or a synthetic shape (made on the GPU), not both or
+// neither; the synthetic options only with --synthetic; a bad shape named.
+TEST(BenchCommand, RefusesBadModelChoices) {
+  const std::string err = ::testing::TempDir() + "/dsv3_bench_err.txt", model = case_dir("v3_fp8") + "/hf";
+  auto run = [&](const std::string& opts) {
+    const std::string cmd = std::string(DSV3_BINARY) + " bench " + opts + " > /dev/null 2> " + err;
+    const int rc = std::system(cmd.c_str());
+    std::ifstream f(err);
+    return std::pair<int, std::string>{rc, std::string(std::istreambuf_iterator<char>(f), {})};
+  };
+  const std::pair<std::string, std::string> cases[] = {
+      {"", "give one of --model DIR or --synthetic SHAPE"},
+      {"--model " + model + " --synthetic 16B", "give one of --model DIR or --synthetic SHAPE"},
+      {"--model " + model + " --dtype fp8", "--dtype, --layers and --vocab go with --synthetic"},
+      {"--synthetic 16B --bw-gb 0.01", "--synthetic makes its weights on the GPU: give --device cuda"},
+  };
+  for (const auto& [opts, want] : cases) {
+    const auto [rc, msg] = run(opts);
+    EXPECT_NE(rc, 0) << opts;
+    EXPECT_NE(msg.find(want), std::string::npos) << opts << ": " << msg;
+  }
 }
 
 }  // namespace

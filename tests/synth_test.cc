@@ -108,8 +108,8 @@ float linear_at(const Linear& l, int64_t i) {
 
 TEST(SynthNames, RefToHfInvertsHfToRefOverEveryManifestName) {
   std::set<std::string> words_seen;
-  for (const std::string& shape : synth_shape_names()) {
-    ModelArgs a = synth_args(shape, "fp8", 4);  // dense and MoE layers, q LoRA or not, bias or not
+  for (const std::string& shape : model_shape_names()) {
+    ModelArgs a = shape_args(shape, "fp8", 4);  // dense and MoE layers, q LoRA or not, bias or not
     int n = 0;
     for (const WeightSpec& s : weight_manifest(a)) {
       std::vector<std::string> refs = {s.tensor_name()};
@@ -212,9 +212,9 @@ TEST(SynthShapes, ConfigRoundTripsAndParameterCountsMatchTheRealModels) {
   std::map<std::string, std::pair<double, double>> params = {
       {"16B", {15.5e9, 16.2e9}}, {"236B", {233e9, 239e9}}, {"671B", {665e9, 677e9}}, {"v3.1", {665e9, 677e9}},
       {"tiny", {0, 0.1e9}}};
-  for (const std::string& shape : synth_shape_names()) {
+  for (const std::string& shape : model_shape_names()) {
     for (const char* dtype : {"bf16", "fp8"}) {
-      ModelArgs a = synth_args(shape, dtype, 0);
+      ModelArgs a = shape_args(shape, dtype, 0);
       ModelArgs b = parse_model_args(synth_config_json(a), shape);
       EXPECT_EQ(b.vocab_size, 129280);
       EXPECT_EQ(b.dim, a.dim);
@@ -257,25 +257,25 @@ TEST(SynthShapes, ConfigRoundTripsAndParameterCountsMatchTheRealModels) {
     }
   }
   // The V3 shapes are the real ones.
-  ModelArgs v3 = synth_shape("671B");
+  ModelArgs v3 = model_shape("671B");
   EXPECT_EQ(v3.dim, 7168);
   EXPECT_EQ(v3.n_layers, 61);
   EXPECT_EQ(v3.n_dense_layers, 3);
   EXPECT_EQ(v3.n_routed_experts, 256);
   EXPECT_EQ(v3.dtype, "fp8");
-  EXPECT_EQ(synth_shape("16B").dtype, "bf16");
+  EXPECT_EQ(model_shape("16B").dtype, "bf16");
   // --layers caps the dense prefix.
-  ModelArgs two = synth_args("671B", "", 2);
+  ModelArgs two = shape_args("671B", "", 2);
   EXPECT_EQ(two.n_layers, 2);
   EXPECT_EQ(two.n_dense_layers, 2);
 }
 
 TEST(SynthShapes, BadInputIsRefusedClearly) {
-  EXPECT_NE(error_of([] { synth_shape("7B"); }).find("unknown shape '7B' (known: tiny, 16B, 236B, 671B, v3.1)"),
+  EXPECT_NE(error_of([] { model_shape("7B"); }).find("unknown shape '7B' (known: tiny, 16B, 236B, 671B, v3.1)"),
             std::string::npos);
-  EXPECT_NE(error_of([] { synth_args("tiny", "fp16", 0); }).find("dtype must be bf16 or fp8, got 'fp16'"),
+  EXPECT_NE(error_of([] { shape_args("tiny", "fp16", 0); }).find("dtype must be bf16 or fp8, got 'fp16'"),
             std::string::npos);
-  EXPECT_NE(error_of([] { synth_args("tiny", "", -1); }).find("at least 1"), std::string::npos);
+  EXPECT_NE(error_of([] { shape_args("tiny", "", -1); }).find("at least 1"), std::string::npos);
   TempDir d;
   SynthOptions o;
   o.out_dir = d / "m";
@@ -432,7 +432,7 @@ TEST(Synth, Fp8IsTheBlockQuantisedFormOfTheBf16Values) {
   TempDir d;
   make(d / "bf16", "bf16", 7);
   make(d / "fp8", "fp8", 7);
-  ModelArgs ue = synth_args("tiny", "fp8", 0);
+  ModelArgs ue = shape_args("tiny", "fp8", 0);
   ue.scale_fmt = "ue8m0";
   make(d / "ue8m0", "", 7, 0, 4, &ue);
   auto cb = Checkpoint::open(d / "bf16");

@@ -26,7 +26,9 @@
 #include "core/error.h"
 #include "core/thread_pool.h"
 #include "io/checkpoint.h"
+#include "runtime/generate.h"
 #include "runtime/model.h"
+#include "model/shapes.h"
 #include "model/weights.h"
 #include "tools/anchors_h200.h"
 #include "tools/command.h"
@@ -101,7 +103,6 @@ double prefill_flops(const ModelArgs& a, int64_t P) {
   return 2 * (per_tok * double(P) + core + double(a.vocab_size) * D);
 }
 
-int argmax_row(const float* v, int n) { return int(std::max_element(v, v + n) - v); }
 
 // The shape of the reference's configs/config_16B.json (the anchors' model).
 bool is_16b_shape(const ModelArgs& a) {
@@ -122,8 +123,11 @@ std::string anchor_ratios(double tok_s, double ref, double hf) {
 int run_bench(int argc, char** argv) {
   Args args(argc, argv,
             {"model", "config", "backend", "device", "batch", "prompt", "gen", "threads", "decode-ctx", "kv-cache-gb", "bw-gb",
-             "seed", "attn"},
+             "seed", "attn", "synthetic", "dtype", "layers", "vocab"},
             {"json", "mlock"});
+  if (args.has("model") == args.has("synthetic")) fail("give one of --model DIR or --synthetic SHAPE");
+  if ((args.has("dtype") || args.has("layers") || args.has("vocab")) && !args.has("synthetic"))
+    fail("--dtype, --layers and --vocab go with --synthetic (a checkpoint has its own)");
   const bool json = args.has("json");
   FILE* out = json ? stderr : stdout;
   if (args.has("threads")) {
@@ -175,22 +179,45 @@ int run_bench(int argc, char** argv) {
                  bw, bw_gb, fma_peak / 1e9, peak / 1e9, arith.c_str());
   }
 
-  // 2. The model.
-  auto ck = Checkpoint::open(args.require("model"), args.get("config"));
+  // 2. The model: a checkpoint, or random weights of a named shape made in the GPU's memory.
+  std::unique_ptr<Checkpoint> ck;
+  ModelArgs a;
+  const std::string what = args.has("model") ? args.get("model") : "synthetic " + args.get("synthetic");
+  if (args.has("model")) {
+    ck = Checkpoint::open(args.get("model"), args.get("config"));
+    a = load_model_args(*ck);
+  } else {
+    if (!gpu) fail("--synthetic makes its weights on the GPU: give --device cuda (or a checkpoint from dsv3 synth)");
+    a = shape_args(args.get("synthetic"), args.get("dtype"), int(args.get_int("layers", 0)));
+    if (args.has("vocab")) {  // e.g. 102400: the reference's configs/config_16B.json (its speed anchors)
+      const long v = args.get_int("vocab", 0);
+      if (v < 1 || v > (1 << 24)) fail("--vocab must be in [1, 16777216], got ", v);
+      a.vocab_size = int(v);
+    }
+  }
   bool locked = false;
-  if (args.has("mlock")) {
+  if (args.has("mlock") && ck) {
     locked = ck->lock_memory();
     if (!locked) std::fprintf(out, "warning: mlock refused (%s); weights stay pageable\n", std::strerror(errno));
   }
-  const ModelArgs a = load_model_args(*ck);
   const int max_b = *std::max_element(batches.begin(), batches.end());
   ModelOptions opt;
   opt.attn = args.get("attn", "absorb") == "naive" ? AttnImpl::kNaive : AttnImpl::kAbsorb;
   opt.max_seqs = max_b;
-  opt.max_len = int(std::min<long>(a.max_seq_len, std::max(prompt, ctx + gen)));
+  opt.max_len = int(std::min<long>(a.max_seq_len, std::max(prompt, ctx + gen + 1)));
   opt.kv_cache_gb = args.get_float("kv-cache-gb", 0);
   const double t_load = now();
-  Model model(std::move(ck), make_backend(backend), opt);
+  std::unique_ptr<Model> mp;
+  if (ck) {
+    mp = std::make_unique<Model>(std::move(ck), make_backend(backend), opt);
+  } else {
+#ifdef DSV3_HAVE_CUDA
+    auto be = make_backend("cuda");
+    ModelWeights rw = cuda::random_weights(*be, a, uint64_t(args.get_int("seed", 1)));
+    mp = std::make_unique<Model>(a, std::move(rw), std::move(be), opt);
+#endif
+  }
+  Model& model = *mp;
   const ModelWeights& w = model.weights();
   const WeightStats st = weight_stats(a, w);
   // Bytes of one routed expert (all MoE layers' experts have the same shapes).
@@ -231,8 +258,8 @@ int run_bench(int argc, char** argv) {
       if (L.moe_w.has_shared) touch_mlp(L.moe_w.shared_experts);
     }
   }
-  std::fprintf(out, "model: %s, %d layers, %.2f GB of weights (paged in %.1f s)%s; decode reads %.3f GB/token at batch 1\n",
-               args.require("model").c_str(), a.n_layers, double(total_bytes) / 1e9, now() - t_load,
+  std::fprintf(out, "model: %s, %d layers, %.2f GB of weights (%s in %.1f s)%s; decode reads %.3f GB/token at batch 1\n",
+               what.c_str(), a.n_layers, double(total_bytes) / 1e9, ck || !gpu ? "paged in" : "made", now() - t_load,
                locked ? ", mlocked" : "", double(st.decode_bytes_per_token) / 1e9);
 
   std::mt19937 rng(uint32_t(args.get_int("seed", 1)));
@@ -244,8 +271,13 @@ int run_bench(int argc, char** argv) {
   std::vector<int32_t> ptoks(static_cast<size_t>(prompt));
   for (auto& t : ptoks) t = tok(rng);
   std::vector<float> logits(static_cast<size_t>(max_b) * V);
+  if (gpu) {  // one untimed prefill of the same length: the GPU's scratch buffers and libraries set up
+    model.forward(ptoks.data(), 1, int(prompt), 0, logits.data());
+    model.reset_rows();
+  }
   const double t0 = now(), c0 = process_cpu_seconds();
   model.forward(ptoks.data(), 1, int(prompt), 0, logits.data());
+  model.reset_rows();
   const double ttft = now() - t0, prefill_share = (process_cpu_seconds() - c0) / (ttft * pool.size());
   const double pflops = prefill_flops(a, prompt);
   std::fprintf(out, "prefill: %ld tokens in %.2f s = %.1f tok/s (time to first token %.2f s); %.1f GFLOP/s = %.0f%% of the matrix peak",
@@ -262,31 +294,52 @@ int run_bench(int argc, char** argv) {
     std::fprintf(out, "; got %.0f%% of the cores\n", 100 * prefill_share);
   }
 
-  // 4. Decode at each batch size: prefill `ctx` tokens per row (not timed), then `gen` steps.
+  // 4. Decode at each batch size, as `dsv3 generate` does it (Generator: greedy, drawn where the
+  // logits are, only ids back): B prompts of `ctx` tokens, then `gen` tokens each (EOS ignored);
+  // the speed is the Generator's own decode time. Then a few more steps on the same shape count
+  // the distinct routed experts a step reads (the backend's router counter).
   nlohmann::json dec = nlohmann::json::array();
   for (int B : batches) {
-    if (ctx + gen > model.max_len()) fail("--decode-ctx + --gen = ", ctx + gen, " exceeds the cache's ", model.max_len(), " positions");
-    std::vector<int32_t> ctoks(static_cast<size_t>(B) * size_t(ctx));
-    for (auto& t : ctoks) t = tok(rng);
-    model.forward(ctoks.data(), B, int(ctx), 0, logits.data());
-    std::vector<int32_t> next(static_cast<size_t>(B));
-    for (int b = 0; b < B; ++b) next[size_t(b)] = argmax_row(logits.data() + size_t(b) * V, V);
-    model.backend().reset_counters();
-    const double d0 = now(), dc0 = process_cpu_seconds();
-    for (long s = 0; s < gen; ++s) {
-      model.forward(next.data(), B, 1, int(ctx + s), logits.data());
-      for (int b = 0; b < B; ++b) next[size_t(b)] = argmax_row(logits.data() + size_t(b) * V, V);
+    if (ctx + gen + 1 > model.max_len())
+      fail("--decode-ctx + --gen = ", ctx + gen, " exceeds the cache's ", model.max_len(), " positions");
+    std::vector<GenerateRequest> reqs(static_cast<size_t>(B));
+    for (GenerateRequest& r : reqs) {
+      r.prompt.resize(size_t(ctx));
+      for (auto& t : r.prompt) t = tok(rng);
+      r.max_new_tokens = int(gen);
     }
-    const double secs = now() - d0, share = (process_cpu_seconds() - dc0) / (secs * pool.size());
+    Generator warm(model, -1);
+    for (GenerateRequest& r : reqs) r.max_new_tokens = 2;
+    warm.run(reqs);  // (recorded steps and scratch for this shape)
+    for (GenerateRequest& r : reqs) r.max_new_tokens = int(gen);
+    const double dc0 = process_cpu_seconds();
+    Generator g(model, -1);
+    g.run(reqs);
+    const GenerateStats& gs = g.stats();
+    const double secs = gs.decode_s, share = (process_cpu_seconds() - dc0) / ((gs.decode_s + gs.prefill_s) * pool.size());
+    const double tok_s = double(gs.generated_tokens) / secs;
+    // Distinct routed experts per MoE layer and step, over up to 8 more steps of B tokens.
+    const int probe = int(std::min<long>(gen, 8));
+    std::vector<int32_t> ptok(static_cast<size_t>(B) * size_t(ctx));
+    for (auto& t : ptok) t = tok(rng);
+    std::vector<float> lg(static_cast<size_t>(B) * V);
+    model.forward(ptok.data(), B, int(ctx), 0, lg.data());
+    model.backend().reset_counters();
+    for (int s2 = 0; s2 < probe; ++s2) {
+      std::vector<int32_t> next(static_cast<size_t>(B));
+      for (auto& t : next) t = tok(rng);
+      model.forward(next.data(), B, 1, int(ctx) + s2, lg.data());
+    }
+    model.reset_rows();
     const int64_t run = model.backend().routed_experts_run();
     const bool measured = run >= 0;
     const double E = a.n_routed_experts, K = a.n_activated_experts;
     const double experts_per_layer =
-        measured ? double(run) / double(gen) / double(std::max<int64_t>(1, n_moe)) : E * (1 - std::pow(1 - K / E, B));
+        measured ? double(run) / double(probe) / double(std::max<int64_t>(1, n_moe)) : E * (1 - std::pow(1 - K / E, B));
     const double kv_bytes = double(B) * (double(ctx) + double(gen) / 2) * double(KvCache::bytes_per_position(a, opt.attn));
     const double bytes = double(fixed_bytes) + experts_per_layer * double(n_moe) * double(expert_bytes) + kv_bytes;
-    const double tok_s = double(B) * double(gen) / secs;
     const double floor_tok_s = double(B) / (bytes / (bw * 1e9));
+    const double step_ms = 1e3 * secs / (double(gs.generated_tokens) / B);
     std::string tail = str("; got ", int(100 * share + 0.5), "% of the cores");
     if (gpu) {
       const bool fp8 = st.bytes_by_dtype.count("F8_E4M3") > 0;
@@ -299,15 +352,15 @@ int run_bench(int argc, char** argv) {
       tail = anchor_ratios(tok_s, ref, hf);
     }
     std::fprintf(out,
-                 "decode batch %d: %.2f tok/s (%.1f ms/step); reads %.3f GB/step (%.1f experts/layer %s) -> floor %.2f tok/s; "
-                 "%.0f%% of the %s floor%s\n",
-                 B, tok_s, 1e3 * secs / double(gen), bytes / 1e9, experts_per_layer, measured ? "measured" : "estimated",
-                 floor_tok_s, 100 * tok_s / floor_tok_s, gpu ? "HBM" : "bandwidth", tail.c_str());
+                 "decode batch %d: %.2f tok/s (%.2f ms/step, as generate runs it); reads %.3f GB/step (%.1f experts/layer "
+                 "%s) -> floor %.2f tok/s; %.0f%% of the %s floor%s\n",
+                 B, tok_s, step_ms, bytes / 1e9, experts_per_layer, measured ? "measured" : "estimated", floor_tok_s,
+                 100 * tok_s / floor_tok_s, gpu ? "HBM" : "bandwidth", tail.c_str());
     dec.push_back({{"batch", B},
-                   {"steps", gen},
+                   {"tokens", gs.generated_tokens},
                    {"context", ctx},
                    {"tok_s", tok_s},
-                   {"step_ms", 1e3 * secs / double(gen)},
+                   {"step_ms", step_ms},
                    {"bytes_per_step", bytes},
                    {"routed_experts_per_layer", experts_per_layer},
                    {"experts", measured ? "measured from routing" : "estimated (uniform routing)"},
@@ -327,7 +380,7 @@ int run_bench(int argc, char** argv) {
     std::fprintf(out, "load average: %.2f at start, %.2f at end (shared cores: numbers are noisy when it is high)\n",
                  load0[0], load1[0]);
   if (json) {
-    nlohmann::json j = {{"model", args.require("model")},
+    nlohmann::json j = {{"model", what},
                         {"backend", backend},
                         {"device", gpu ? "cuda" : "cpu"},
                         {"isa", backend == "cpu" ? cpu::isa_name(isa) : "n/a"},
@@ -364,8 +417,10 @@ int run_bench(int argc, char** argv) {
 }  // namespace
 
 DSV3_COMMAND(bench,
-             "--model DIR [--backend cpu|ref] [--device cpu|cuda] [--batch 1,8,32] [--prompt 512] [--gen 32] [--decode-ctx 64] [--threads N] "
-             "[--kv-cache-gb G] [--mlock] [--json]: prefill and decode speed beside the measured bandwidth and matrix floors",
+             "(--model DIR | --synthetic SHAPE [--dtype bf16|fp8] [--layers N] [--vocab V]) [--backend cpu|ref] [--device cpu|cuda] "
+             "[--batch 1,8,32] [--prompt 512] [--gen 32] [--decode-ctx 64] [--threads N] [--kv-cache-gb G] [--mlock] [--json]: "
+             "prefill and decode speed (decode as generate runs it) beside the measured bandwidth and matrix floors; "
+             "--synthetic: random weights of that shape made on the GPU (--device cuda)",
              run_bench);
 
 }  // namespace dsv3

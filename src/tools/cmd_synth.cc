@@ -109,7 +109,7 @@ int run_synth(int argc, char** argv) {
   const bool quiet = args.has("quiet");
 
   // Validates shape/dtype/layers before anything is written.
-  ModelArgs a = synth_args(opt.shape, opt.dtype, opt.layers);
+  ModelArgs a = shape_args(opt.shape, opt.dtype, opt.layers);
   Progress progress;
   bool announced = false;
   opt.progress = [&](uint64_t done, uint64_t total) {

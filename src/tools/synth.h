@@ -10,22 +10,9 @@
 #include <vector>
 
 #include "model/config.h"
+#include "model/shapes.h"
 
 namespace dsv3 {
-
-// The shapes synth knows, in the order `dsv3 synth` lists them.
-const std::vector<std::string>& synth_shape_names();
-
-// The ModelArgs of a named shape: "tiny" (a small V3-style model with every feature: q LoRA,
-// expert groups, sigmoid routing with a correction bias, FP8 blocks with ragged edges),
-// "16B" (DeepSeek-V2-Lite), "236B" (DeepSeek-V2), "671B" (DeepSeek-V3), "v3.1" (DeepSeek-V3.1:
-// 671B with ue8m0 scales). Every shape uses the real tokenizer's vocab_size (129280). dtype is
-// the shape's native one (bf16 for 16B/236B, fp8 otherwise). Throws Error listing the shapes.
-ModelArgs synth_shape(const std::string& name);
-
-// synth_shape(name) with `dtype` ("bf16", "fp8"; "" keeps the native one) and `layers`
-// (0 keeps the shape's; first_k_dense_replace is capped at it). Validated; Error on bad input.
-ModelArgs synth_args(const std::string& shape, const std::string& dtype, int layers);
 
 // The Hugging Face config.json text for `a` (DeepSeek-V2/V3 field names, rope_scaling,
 // quantization_config for fp8). parse_model_args() of it gives back `a`.
