@@ -98,6 +98,41 @@ TEST(GenerateCommand, RefusesBadInput) {
   for (int i = 0; i < 300; ++i) longp += "5 ";
   EXPECT_NE(run(longp + "\n", "").find("does not fit the context"), std::string::npos);
   EXPECT_NE(run("1 2\n", "--temperature -1").find("temperature"), std::string::npos);
+  EXPECT_NE(run("1 2\n", "--max-seqs 0").find("--max-seqs must be in [1, 4096], got 0"), std::string::npos);
+}
+
+// Many prompts, a few in flight at a time (the rest queued in the scheduler): every prompt gets
+// the completion it gets alone, in the input's order.
+TEST(GenerateCommand, ManyPromptsAFewAtATimeGiveTheirAloneCompletions) {
+  const std::string ids = tmp_path("gen_many.txt");
+  std::ofstream f(ids);
+  for (int i = 0; i < 40; ++i) {
+    for (int t = 0; t <= i % 13; ++t) f << (3 + (i * 31 + t * 7) % 400) << " ";
+    f << "\n";
+  }
+  f.close();
+  auto completions = [&](const std::string& input, const std::string& extra) {
+    const std::string out = tmp_path("gen_many_out.json");
+    const std::string cmd = std::string(DSV3_BINARY) + " generate --model " + case_dir("v3_fp8") + "/hf --input-ids " +
+                            input + " --json --backend ref --max-new-tokens 6 --temperature 0 " + extra + " >" + out +
+                            " 2>/dev/null";
+    EXPECT_EQ(std::system(cmd.c_str()), 0) << cmd;
+    std::vector<std::vector<int32_t>> c;
+    for (auto& r : nlohmann::json::parse(slurp(out))) c.push_back(r["completion_ids"].get<std::vector<int32_t>>());
+    return c;
+  };
+  const auto all = completions(ids, "--max-seqs 5");
+  ASSERT_EQ(all.size(), 40u);
+  std::ifstream in(ids);
+  std::string line;
+  for (int i = 0; std::getline(in, line); ++i) {
+    if (i % 9 != 0) continue;  // a sample of them alone
+    const std::string one = tmp_path("gen_one.txt");
+    std::ofstream(one) << line << "\n";
+    const auto alone = completions(one, "");
+    ASSERT_EQ(alone.size(), 1u);
+    EXPECT_EQ(all[size_t(i)], alone[0]) << "prompt " << i;
+  }
 }
 
 }  // namespace

@@ -29,6 +29,8 @@ KvCache::KvCache(const ModelArgs& a, Backend& be, const Options& o) : be_(be), o
     }
   }
   refs_.assign(size_t(o.n_blocks), 0);
+  content_.resize(size_t(o.n_blocks));
+  lru_pos_.resize(size_t(o.n_blocks));
   free_.reserve(size_t(o.n_blocks));
   for (int64_t b = o.n_blocks - 1; b >= 0; --b) free_.push_back(int32_t(b));  // block 0 taken first
 }
@@ -42,9 +44,17 @@ KvCache::~KvCache() {
 int64_t KvCache::bytes() const { return n_blocks() * opt_.block * pos_bytes_; }
 
 int32_t KvCache::take() {
-  if (free_.empty()) return -1;
-  const int32_t b = free_.back();
-  free_.pop_back();
+  int32_t b = -1;
+  if (!free_.empty()) {
+    b = free_.back();
+    free_.pop_back();
+  } else if (!lru_.empty()) {
+    b = lru_.front();
+    lru_.pop_front();
+    forget(b);
+  } else {
+    return -1;
+  }
   refs_[size_t(b)] = 1;
   return b;
 }
@@ -56,7 +66,49 @@ void KvCache::retain(int32_t b) {
 
 void KvCache::release(int32_t b) {
   DSV3_CHECK(b >= 0 && b < n_blocks() && refs_[size_t(b)] > 0, "release of block ", b);
-  if (--refs_[size_t(b)] == 0) free_.push_back(b);
+  if (--refs_[size_t(b)] > 0) return;
+  if (content_[size_t(b)].published) lru_pos_[size_t(b)] = lru_.insert(lru_.end(), b);
+  else free_.push_back(b);
+}
+
+uint64_t KvCache::block_hash(uint64_t parent, const int32_t* tokens, int n) {
+  uint64_t h = parent ^ 0x9e3779b97f4a7c15ull;
+  auto mix = [](uint64_t z) {  // splitmix64's finaliser
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+    return z ^ (z >> 31);
+  };
+  for (int i = 0; i < n; ++i) h = mix(h + 0x9e3779b97f4a7c15ull + uint64_t(uint32_t(tokens[i])));
+  return mix(h + uint64_t(n));
+}
+
+void KvCache::publish(int32_t b, uint64_t parent, const int32_t* tokens) {
+  DSV3_CHECK(b >= 0 && b < n_blocks() && refs_[size_t(b)] > 0, "publish of block ", b);
+  Content& c = content_[size_t(b)];
+  if (c.published) return;
+  const uint64_t key = block_hash(parent, tokens, opt_.block);
+  if (by_key_.count(key)) return;
+  c.published = true, c.key = key, c.parent = parent;
+  c.tokens.assign(tokens, tokens + opt_.block);
+  by_key_[key] = b;
+}
+
+int32_t KvCache::lookup(uint64_t parent, const int32_t* tokens) {
+  auto it = by_key_.find(block_hash(parent, tokens, opt_.block));
+  if (it == by_key_.end()) return -1;
+  const int32_t b = it->second;
+  const Content& c = content_[size_t(b)];
+  if (c.parent != parent || !std::equal(c.tokens.begin(), c.tokens.end(), tokens)) return -1;
+  if (refs_[size_t(b)] == 0) lru_.erase(lru_pos_[size_t(b)]);
+  ++refs_[size_t(b)];
+  return b;
+}
+
+void KvCache::forget(int32_t b) {
+  Content& c = content_[size_t(b)];
+  if (!c.published) return;
+  by_key_.erase(c.key);
+  c = Content{};
 }
 
 bool KvCache::grow(BlockTable& t, int64_t positions) {

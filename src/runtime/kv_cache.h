@@ -1,11 +1,16 @@
 // The paged KV cache: every layer's cache rows in fixed-size blocks of `block` positions (the
 // absorbed form's kv_norm(latent) and roped key, or the naive form's full K and V), a block
-// allocator with reference counts (sequences may share prefix blocks), and each sequence's block
-// table. Attention in every backend reads a sequence's position p at block table[p / block],
-// row p % block (backend/graph.h KvView).
+// allocator with reference counts (sequences may share prefix blocks), each sequence's block
+// table, and the prefix cache: full blocks published under their content (the chained hash of
+// every token up to their end), found again by a later sequence with the same prefix, kept
+// while unreferenced until their space is needed (least recently used first). Attention in
+// every backend reads a sequence's position p at block table[p / block], row p % block
+// (backend/graph.h KvView).
 #pragma once
 #include <cstdint>
+#include <list>
 #include <string>
+#include <unordered_map>
 #include <vector>
 
 #include "backend/backend.h"
@@ -41,12 +46,15 @@ class KvCache {
   int max_len() const { return opt_.max_len; }
   int64_t width() const { return (opt_.max_len + opt_.block - 1) / opt_.block; }  // blocks of a full sequence
   int64_t n_blocks() const { return opt_.n_blocks; }
-  int64_t free_blocks() const { return int64_t(free_.size()); }
-  int64_t used_blocks() const { return n_blocks() - free_blocks(); }
+  // Blocks take() can give: free ones and cached ones no sequence holds (evicted when taken).
+  int64_t free_blocks() const { return int64_t(free_.size() + lru_.size()); }
+  int64_t used_blocks() const { return n_blocks() - free_blocks(); }  // held by a sequence
+  int64_t cached_blocks() const { return int64_t(lru_.size()); }    // unreferenced, in the prefix cache
   int64_t bytes() const;
 
-  // Blocks, counted: take() gives a free block with one reference (-1 when none is free);
-  // release() drops one and frees the block at zero.
+  // Blocks, counted: take() gives a block with one reference: a free one, else the least recently
+  // used unreferenced cached one (forgotten by the prefix cache); -1 when every block is held.
+  // release() drops one reference; at zero a published block stays cached, another is freed.
   int32_t take();
   void retain(int32_t b);
   void release(int32_t b);
@@ -62,13 +70,33 @@ class KvCache {
   // Releases every block of t and empties it.
   void free(BlockTable& t) { truncate(t, 0); }
 
+  // The prefix cache. A full block's key is block_hash(parent, tokens): parent = the key of the
+  // block before it (0 for the first), tokens = its `block` token ids.
+  static uint64_t block_hash(uint64_t parent, const int32_t* tokens, int n);
+  // Makes held block b findable under its content (a block whose every position is computed and
+  // will not be written again). No effect when another block holds that content already.
+  void publish(int32_t b, uint64_t parent, const int32_t* tokens);
+  // The block holding exactly this content, with a reference taken (-1: none; the caller
+  // computes it). The tokens and parent key are compared, not only the hash.
+  int32_t lookup(uint64_t parent, const int32_t* tokens);
+
  private:
+  struct Content {  // what a published block holds
+    bool published = false;
+    uint64_t key = 0, parent = 0;
+    std::vector<int32_t> tokens;
+  };
+  void forget(int32_t b);  // removes b from the prefix cache
   Backend& be_;
   Options opt_;
   int64_t pos_bytes_ = 0;
   std::vector<LayerCache> layers_;
   std::vector<int32_t> refs_;  // [n_blocks]
   std::vector<int32_t> free_;  // free blocks, the most recently freed last (taken first)
+  std::vector<Content> content_;                         // [n_blocks]
+  std::unordered_map<uint64_t, int32_t> by_key_;         // published blocks by key
+  std::list<int32_t> lru_;                               // unreferenced published blocks, oldest first
+  std::vector<std::list<int32_t>::iterator> lru_pos_;    // [n_blocks] (valid while in lru_)
 };
 
 }  // namespace dsv3

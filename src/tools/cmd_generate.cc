@@ -60,7 +60,7 @@ std::vector<std::string> read_text_lines(const std::string& path) {
 int run_generate(int argc, char** argv) {
   Args args(argc, argv,
             with_model_options(with_sampling_options(
-                {"input-file", "input-ids", "prompt", "max-new-tokens", "system", "tokenizer", "batch"})),
+                {"input-file", "input-ids", "prompt", "max-new-tokens", "system", "tokenizer", "max-seqs"})),
             {"raw", "json", "ignore-eos"});
   int sources = args.has("input-file") + args.has("input-ids") + args.has("prompt");
   if (sources != 1) fail("give exactly one of --prompt TEXT, --input-file F, --input-ids F");
@@ -98,45 +98,47 @@ int run_generate(int argc, char** argv) {
   }
 
   const int max_new = int(args.get_int("max-new-tokens", 200));  // the reference's default
-  const int batch = int(std::max<long>(1, args.get_int("batch", 8)));
+  const long max_seqs = args.get_int("max-seqs", 8);
+  if (max_new < 0) fail("--max-new-tokens must be >= 0, got ", max_new);
+  if (max_seqs < 1 || max_seqs > 4096) fail("--max-seqs must be in [1, 4096], got ", max_seqs);
 
   size_t longest = 0;
   for (auto& p : prompts) longest = std::max(longest, p.size());
-  LoadedModel lm = load_model(args, std::min<long>(batch, long(prompts.size())), int(longest) + max_new + 1);
+  LoadedModel lm = load_model(args, int(std::min<long>(max_seqs, long(prompts.size()))), int(longest) + max_new + 1);
   Model& model = *lm.model;
   int eos = tok ? tok->eos_id() : model.args().eos_token_id;
   if (eos < 0) eos = model.args().eos_token_id;
   if (args.has("ignore-eos")) eos = -1;  // as the reference's eos_id=-1: always max_new_tokens
-  Generator gen(model, eos);
+  // Every prompt at once through the scheduler: at most --max-seqs in flight, the rest queued;
+  // shared prompt prefixes (a system prompt) computed once.
+  Generator gen(model, eos, 512);
+  gen.set_max_seqs(int(max_seqs));
+  gen.set_reuse_prefix(true);
   if (tok) gen.set_vocab_limit(tok->vocab_size());
-
+  std::vector<GenerateRequest> reqs;
+  for (size_t i = 0; i < prompts.size(); ++i) {
+    GenerateRequest r;
+    r.prompt = prompts[i];
+    r.sampling = sp;
+    r.sampling.seed = sp.seed + i;  // distinct streams per prompt, reproducible per seed
+    r.max_new_tokens = max_new;
+    reqs.push_back(std::move(r));
+  }
+  const std::vector<GenerateResult> res = gen.run(reqs);
   nlohmann::json results = nlohmann::json::array();
-  for (size_t b = 0; b < prompts.size(); b += size_t(batch)) {
-    std::vector<GenerateRequest> reqs;
-    for (size_t i = b; i < std::min(prompts.size(), b + size_t(batch)); ++i) {
-      GenerateRequest r;
-      r.prompt = prompts[i];
-      r.sampling = sp;
-      r.sampling.seed = sp.seed + i;  // distinct streams per prompt, reproducible per seed
-      r.max_new_tokens = max_new;
-      reqs.push_back(std::move(r));
-    }
-    auto res = gen.run(reqs);
-    for (size_t k = 0; k < res.size(); ++k) {
-      size_t i = b + k;
-      std::string completion = tok ? tok->decode(res[k].tokens, true) : "";
-      if (json_out) {
-        nlohmann::json o = {{"prompt_ids", prompts[i]}, {"completion_ids", res[k].tokens},
-                            {"finish_reason", res[k].finish_reason}};
-        if (tok) {
-          o["prompt"] = texts.empty() ? tok->decode(prompts[i], false) : texts[i];
-          o["completion"] = completion;
-        }
-        results.push_back(o);
-      } else {
-        std::printf("Prompt: %s\nCompletion: %s\n\n", texts.empty() ? tok->decode(prompts[i], false).c_str() : texts[i].c_str(),
-                    completion.c_str());
+  for (size_t i = 0; i < res.size(); ++i) {
+    std::string completion = tok ? tok->decode(res[i].tokens, true) : "";
+    if (json_out) {
+      nlohmann::json o = {{"prompt_ids", prompts[i]}, {"completion_ids", res[i].tokens},
+                          {"finish_reason", res[i].finish_reason}};
+      if (tok) {
+        o["prompt"] = texts.empty() ? tok->decode(prompts[i], false) : texts[i];
+        o["completion"] = completion;
       }
+      results.push_back(o);
+    } else {
+      std::printf("Prompt: %s\nCompletion: %s\n\n", texts.empty() ? tok->decode(prompts[i], false).c_str() : texts[i].c_str(),
+                  completion.c_str());
     }
   }
   if (json_out) std::printf("%s\n", results.dump(2, ' ', false, nlohmann::json::error_handler_t::replace).c_str());
@@ -152,7 +154,8 @@ int run_generate(int argc, char** argv) {
 DSV3_COMMAND(
     generate,
     "--model DIR (--prompt TEXT | --input-file F | --input-ids F) [--max-new-tokens N] " DSV3_SAMPLING_USAGE
-    " [--raw] [--json] [--ignore-eos] [--system TEXT]: batch generation",
+    " [--raw] [--json] [--ignore-eos] [--system TEXT] [--max-seqs N]: batch generation of any number of prompts, "
+    "at most N (8) at once",
     run_generate);
 
 }  // namespace dsv3

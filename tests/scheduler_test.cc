@@ -1,0 +1,341 @@
+// The scheduler (runtime/scheduler.h) on the golden checkpoints: batch invariance under greedy
+// decoding (a request's tokens the same alone or among 31 others of different lengths arriving at
+// different steps), preemption and recompute, prefix-cache hits against misses, cancellation and
+// the block counts, many short requests with random cancellations, the thread mode, refusals.
+#include "runtime/scheduler.h"
+
+#include <gtest/gtest.h>
+
+#include <atomic>
+#include <map>
+#include <random>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "backend/backend.h"
+#include "core/error.h"
+#include "golden_util.h"
+#include "io/checkpoint.h"
+#include "runtime/model.h"
+
+namespace dsv3 {
+namespace {
+
+using testing_util::case_dir;
+
+std::unique_ptr<Model> make_model(const std::string& backend, int kv_block = 8, double kv_gb = 0,
+                                  int max_seqs = 32) {
+  ModelOptions o;
+  o.max_seqs = max_seqs, o.max_len = 256, o.kv_block = kv_block, o.kv_cache_gb = kv_gb;
+  return std::make_unique<Model>(Checkpoint::open(case_dir("v2lite_bf16") + "/hf"), make_backend(backend), o);
+}
+
+// What one request received: its tokens (with log-probabilities when asked), its end.
+struct Got {
+  std::vector<int32_t> ids;
+  std::vector<float> logprobs;
+  std::vector<std::vector<TokenLogprob>> top;
+  Finish finish = Finish::kNone;
+  int events_after_finish = 0, prompt = 0, cached = 0, completion = 0;
+  std::string error;
+};
+
+struct Collector {
+  std::map<uint64_t, Got> got;
+  StreamFn fn() {
+    return [this](const StreamEvent& e) {
+      Got& g = got[e.request];
+      if (g.finish != Finish::kNone) ++g.events_after_finish;
+      for (const SampledToken& t : e.tokens)
+        g.ids.push_back(t.id), g.logprobs.push_back(t.logprob), g.top.push_back(t.top);
+      if (e.finish != Finish::kNone) {
+        g.finish = e.finish, g.error = e.error;
+        g.prompt = e.prompt_tokens, g.cached = e.cached_prompt_tokens, g.completion = e.completion_tokens;
+      }
+    };
+  }
+};
+
+EngineRequest greedy(std::vector<int32_t> prompt, int max_tokens) {
+  EngineRequest r;
+  r.prompt = std::move(prompt);
+  r.max_tokens = max_tokens;
+  r.sampling.temperature = 0.f;
+  return r;
+}
+
+std::vector<int32_t> prompt_of(int len, uint32_t seed, int vocab) {
+  std::mt19937 g(seed);
+  std::vector<int32_t> p(static_cast<size_t>(len));
+  for (auto& t : p) t = int32_t(g() % uint32_t(vocab - 2)) + 2;  // (not BOS / EOS)
+  return p;
+}
+
+// The request's tokens when it runs alone in a fresh scheduler.
+Got alone(Model& m, const EngineRequest& r) {
+  SchedulerOptions o;
+  o.eos = load_model_args(m.checkpoint()).eos_token_id;
+  Scheduler s(m, o);
+  Collector c;
+  const uint64_t id = s.submit(r, c.fn());
+  s.run_until_idle();
+  return c.got[id];
+}
+
+TEST(Scheduler, GreedyTokensAreTheSameAloneOrAmong31Others) {
+  for (const std::string be : {"ref", "cpu"}) {
+    auto m = make_model(be);
+    const int V = m->args().vocab_size;
+    std::vector<EngineRequest> reqs;
+    for (int i = 0; i < 32; ++i)
+      reqs.push_back(greedy(prompt_of(3 + (i * 7) % 41, uint32_t(i), V), 4 + i % 9));
+    std::vector<Got> want;
+    for (const EngineRequest& r : reqs) want.push_back(alone(*m, r));
+    SchedulerOptions o;
+    o.eos = load_model_args(m->checkpoint()).eos_token_id;
+    o.max_step_tokens = 64;  // long prompts go in chunks beside the decodes
+    Scheduler s(*m, o);
+    Collector c;
+    std::vector<uint64_t> ids;
+    for (size_t i = 0; i < reqs.size(); ++i) {  // arriving four at a time, a step apart
+      ids.push_back(s.submit(reqs[i], c.fn()));
+      if (i % 4 == 3) s.step();
+    }
+    s.run_until_idle();
+    for (size_t i = 0; i < reqs.size(); ++i) {
+      const Got& g = c.got[ids[i]];
+      EXPECT_EQ(g.ids, want[i].ids) << be << " request " << i;
+      EXPECT_EQ(g.finish, want[i].finish) << be << " request " << i;
+      EXPECT_EQ(g.events_after_finish, 0);
+    }
+    EXPECT_EQ(m->kv_cache().used_blocks(), 0) << be;
+    EXPECT_EQ(s.stats().running + s.stats().waiting, 0);
+  }
+}
+
+// A cache too small for every sequence at once: the newest are preempted and recomputed later,
+// and every request still gets its alone tokens.
+TEST(Scheduler, PreemptionAndRecomputeGiveTheSameTokens) {
+  auto m = make_model("ref", 8, 0, 32);
+  const int V = m->args().vocab_size;
+  const int64_t per_block = KvCache::bytes_per_position(m->args(), AttnImpl::kAbsorb) * 8;
+  auto small = make_model("ref", 8, double(12 * per_block) / 1e9);  // 12 blocks of 8 positions
+  ASSERT_EQ(small->kv_cache().n_blocks(), 12);
+  std::vector<EngineRequest> reqs;
+  for (int i = 0; i < 6; ++i) reqs.push_back(greedy(prompt_of(10 + i, uint32_t(100 + i), V), 14));
+  for (bool prefix : {false, true}) {
+    SchedulerOptions o;
+    o.eos = -1, o.prefix_cache = prefix;
+    Scheduler s(*small, o);
+    Collector c;
+    std::vector<uint64_t> ids;
+    for (const EngineRequest& r : reqs) ids.push_back(s.submit(r, c.fn()));
+    s.run_until_idle();
+    EXPECT_GT(s.stats().preemptions, 0) << "the case is meant to preempt";
+    for (size_t i = 0; i < reqs.size(); ++i) {
+      SchedulerOptions ao;
+      ao.eos = -1;
+      Scheduler a(*m, ao);
+      Collector ac;
+      const uint64_t id = a.submit(reqs[i], ac.fn());
+      a.run_until_idle();
+      EXPECT_EQ(c.got[ids[i]].ids, ac.got[id].ids) << "request " << i << (prefix ? " (prefix cache)" : "");
+      EXPECT_EQ(c.got[ids[i]].finish, Finish::kLength);
+    }
+    EXPECT_EQ(small->kv_cache().used_blocks(), 0);
+  }
+}
+
+// A prompt whose first blocks are cached gives the log-probabilities it gives computed from scratch:
+// exactly on the ref backend (every row's arithmetic independent of the batch), to float32
+// rounding on the SIMD one (its products of many rows tile by the batch's size).
+TEST(Scheduler, PrefixCacheHitsGiveTheSameLogitsAsMisses) {
+  for (const std::string be : {"ref", "cpu"}) {
+    auto m = make_model(be, 8);
+    const int V = m->args().vocab_size;
+    const std::vector<int32_t> shared = prompt_of(29, 7, V);
+    std::vector<int32_t> p2 = shared;
+    for (int32_t t : prompt_of(5, 8, V)) p2.push_back(t);
+    EngineRequest first = greedy(shared, 3), second = greedy(p2, 6);
+    second.top_logprobs = 4;
+    Got got[2];
+    for (int cached = 0; cached < 2; ++cached) {
+      SchedulerOptions o;
+      o.eos = -1, o.prefix_cache = cached == 1;
+      Scheduler s(*m, o);
+      Collector c;
+      s.submit(first, c.fn());
+      s.run_until_idle();
+      const uint64_t id = s.submit(second, c.fn());
+      s.run_until_idle();
+      got[cached] = c.got[id];
+      const EngineStats st = s.stats();
+      if (cached) {
+        EXPECT_EQ(got[1].cached, 24) << "three full blocks of the 29 shared tokens";
+        EXPECT_EQ(st.prefix_hit_tokens, 24);
+        EXPECT_EQ(st.prefix_query_tokens, 29 + 34);
+      } else {
+        EXPECT_EQ(got[0].cached, 0);
+      }
+    }
+    const float tol = be == "ref" ? 0.f : 2e-5f;
+    EXPECT_EQ(got[1].ids, got[0].ids) << be;
+    ASSERT_EQ(got[1].top.size(), got[0].top.size());
+    for (size_t i = 0; i < got[0].top.size(); ++i) {
+      EXPECT_NEAR(got[1].logprobs[i], got[0].logprobs[i], tol) << be << " token " << i;
+      ASSERT_EQ(got[1].top[i].size(), 4u);
+      for (size_t k = 0; k < 4; ++k) {
+        EXPECT_EQ(got[1].top[i][k].id, got[0].top[i][k].id) << be;
+        EXPECT_NEAR(got[1].top[i][k].logprob, got[0].top[i][k].logprob, tol) << be << " token " << i;
+      }
+    }
+    // The chosen token's log-probability is its top-1 where greedy.
+    for (size_t i = 0; i < got[0].ids.size(); ++i) EXPECT_EQ(got[0].top[i][0].id, got[0].ids[i]);
+  }
+}
+
+TEST(Scheduler, CancellationReturnsEveryBlock) {
+  auto m = make_model("cpu", 8);
+  const int V = m->args().vocab_size;
+  SchedulerOptions o;
+  o.eos = -1;
+  Scheduler s(*m, o);
+  Collector c;
+  std::vector<uint64_t> ids;
+  for (int i = 0; i < 5; ++i) ids.push_back(s.submit(greedy(prompt_of(20 + i, uint32_t(i), V), 100), c.fn()));
+  for (int k = 0; k < 4; ++k) s.step();
+  EXPECT_GT(m->kv_cache().used_blocks(), 0);
+  s.cancel(ids[1]);
+  s.cancel(ids[3]);
+  s.cancel(12345);  // unknown: ignored
+  s.step();
+  EXPECT_EQ(c.got[ids[1]].finish, Finish::kCancelled);
+  EXPECT_EQ(c.got[ids[3]].finish, Finish::kCancelled);
+  for (uint64_t id : {ids[0], ids[2], ids[4]}) s.cancel(id);
+  s.step();
+  EXPECT_EQ(m->kv_cache().used_blocks(), 0);
+  EXPECT_FALSE(s.step());
+  for (uint64_t id : ids) EXPECT_EQ(c.got[id].events_after_finish, 0);
+}
+
+// 1,000 short requests, sampled and greedy, some with stop ids, cancels at random moments (of
+// requests before they run, while they prefill, while they decode, or already ended): every one
+// ends exactly once, and no block is left held.
+TEST(Scheduler, ManyShortRequestsWithRandomCancellationsLeaveNothingHeld) {
+  auto m = make_model("cpu", 8, 0, 8);
+  const int V = m->args().vocab_size;
+  SchedulerOptions o;
+  o.eos = load_model_args(m->checkpoint()).eos_token_id, o.max_seqs = 24, o.max_step_tokens = 96;
+  Scheduler s(*m, o);
+  Collector c;
+  std::mt19937 g(99);
+  std::vector<uint64_t> ids, live;
+  for (int i = 0; i < 1000; ++i) {
+    EngineRequest r = greedy(prompt_of(1 + int(g() % 12), uint32_t(i), V), 1 + int(g() % 6));
+    if (i % 3 == 1) r.sampling.temperature = 0.9f, r.sampling.top_k = 20, r.sampling.seed = uint64_t(i);
+    if (i % 7 == 0) r.stop_ids = {int32_t(g() % uint32_t(V))};
+    ids.push_back(s.submit(r, c.fn()));
+    live.push_back(ids.back());
+    if (g() % 2 == 0) s.cancel(live[g() % live.size()]);
+    if (i % 5 == 4) s.step();
+  }
+  s.run_until_idle();
+  int cancelled = 0;
+  for (uint64_t id : ids) {
+    const Got& got = c.got[id];
+    ASSERT_NE(got.finish, Finish::kNone) << "request " << id << " never ended";
+    EXPECT_EQ(got.events_after_finish, 0);
+    cancelled += got.finish == Finish::kCancelled;
+  }
+  EXPECT_GT(cancelled, 30);
+  EXPECT_EQ(m->kv_cache().used_blocks(), 0);
+  const EngineStats st = s.stats();
+  EXPECT_EQ(st.running + st.waiting, 0);
+}
+
+// start(): requests from other threads, events from the scheduler's; shutdown cancels what is left.
+TEST(Scheduler, ThreadModeServesOtherThreadsAndShutsDown) {
+  auto m = make_model("cpu", 8);
+  const int V = m->args().vocab_size;
+  SchedulerOptions o;
+  o.eos = -1;
+  Scheduler s(*m, o);
+  s.start();
+  std::mutex mu;
+  Collector c;
+  StreamFn fn = c.fn();
+  auto locked = [&](const StreamEvent& e) {
+    std::lock_guard<std::mutex> lk(mu);
+    fn(e);
+  };
+  std::vector<std::thread> clients;
+  std::vector<uint64_t> ids(8);
+  for (int t = 0; t < 8; ++t)
+    clients.emplace_back(
+        [&, t] { ids[size_t(t)] = s.submit(greedy(prompt_of(5 + t, uint32_t(t), V), 6), locked); });
+  for (auto& t : clients) t.join();
+  const uint64_t long_one = s.submit(greedy(prompt_of(9, 77, V), 200), locked);
+  for (int k = 0; k < 2000; ++k) {
+    {
+      std::lock_guard<std::mutex> lk(mu);
+      bool done = true;
+      for (uint64_t id : ids) done = done && c.got[id].finish != Finish::kNone;
+      if (done) break;
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+  s.shutdown(0.0);
+  std::lock_guard<std::mutex> lk(mu);
+  for (uint64_t id : ids) {
+    EXPECT_EQ(c.got[id].finish, Finish::kLength);
+    EXPECT_EQ(c.got[id].ids.size(), 6u);
+  }
+  EXPECT_EQ(c.got[long_one].finish, Finish::kCancelled);
+  EXPECT_EQ(m->kv_cache().used_blocks(), 0);
+  EXPECT_THROW(s.submit(greedy({5, 6}, 1), locked), Error);
+}
+
+TEST(Scheduler, RefusesRequestsThatCannotRun) {
+  auto m = make_model("ref", 8, 0, 2);
+  const int V = m->args().vocab_size;
+  SchedulerOptions o;
+  o.max_waiting = 2;
+  Scheduler s(*m, o);
+  auto refused = [&](EngineRequest r, const std::string& want) {
+    try {
+      s.submit(std::move(r), {});
+      ADD_FAILURE() << "accepted; wanted: " << want;
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find(want), std::string::npos) << e.what();
+    }
+  };
+  refused(greedy({}, 4), "empty prompt");
+  refused(greedy({5, V}, 4), "token id " + std::to_string(V) + " is outside the vocabulary");
+  refused(greedy({5, -1}, 4), "token id -1 is outside the vocabulary");
+  refused(greedy({5, 6}, -1), "max_tokens must be >= 0");
+  refused(greedy(prompt_of(200, 1, V), 57),
+          "200 tokens + max_tokens 57 = 257 tokens are past the context of 256");
+  EngineRequest bad = greedy({5, 6}, 4);
+  bad.sampling.top_p = 0.f;
+  refused(bad, "top_p");
+  s.submit(greedy({5, 6}, 2), {});
+  s.submit(greedy({5, 7}, 2), {});
+  EXPECT_THROW(s.submit(greedy({5, 8}, 2), {}), QueueFull);
+  s.run_until_idle();
+  EXPECT_NO_THROW(s.submit(greedy({5, 8}, 2), {}));
+  s.run_until_idle();
+  // The cache's capacity: 2 sequences' worth of blocks (256 positions each)
+  auto tiny =
+      make_model("ref", 8, double(KvCache::bytes_per_position(m->args(), AttnImpl::kAbsorb) * 16) / 1e9);
+  Scheduler t(*tiny, SchedulerOptions{});
+  try {
+    t.submit(greedy(prompt_of(10, 2, V), 7), {});
+    FAIL() << "17 positions in a cache of 16";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("the KV cache holds 16"), std::string::npos) << e.what();
+  }
+}
+
+}  // namespace
+}  // namespace dsv3
