@@ -3,7 +3,7 @@
 # Idempotent: packages already present are skipped.
 set -euo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
-pkgs=(build-essential cmake ninja-build pkg-config libpcre2-dev nlohmann-json3-dev libgtest-dev
+pkgs=(build-essential cmake ninja-build pkg-config libpcre2-dev nlohmann-json3-dev libgtest-dev openmpi-bin libopenmpi-dev
       libgmock-dev libbenchmark-dev libcpp-httplib-dev clang libclang-rt-dev tmux nodejs npm)
 missing=()
 for p in "${pkgs[@]}"; do

@@ -6,6 +6,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <string>
 
 namespace dsv3 {
 
@@ -18,11 +19,23 @@ class Comm {
   virtual void all_reduce_sum(float* x, int64_t n) = 0;
   // y [size, n] = every rank's x [n], rank r's at y + r * n (host memory).
   virtual void all_gather(const float* x, int64_t n, float* y) = 0;
-  // `bytes` of data from rank `root` to every rank (host memory): sampled token ids.
-  virtual void broadcast(void* data, size_t bytes, int root) = 0;
+  // `bytes` of data from rank `root` to every rank (host memory). wait = false: a call that may
+  // wait indefinitely for the root (a follower waiting for the next step while the leader waits
+  // for its user); otherwise a collective that makes no progress for the timeout ends the process.
+  virtual void broadcast(void* data, size_t bytes, int root, bool wait = false) = 0;
+  // Whether every rank's `ok` is true (a start-up check that one rank may fail alone).
+  virtual bool all_ok(bool ok) = 0;
 };
 
 // World size 1: every collective is the identity.
 std::unique_ptr<Comm> make_single_comm();
+
+// The process's world: the MPI world when this process was started by mpirun (and the build has
+// MPI), else world size 1. Created on first use; lives until exit. `timeout_s`: how long an
+// in-step collective may make no progress before the process reports the stuck ranks and ends
+// (default 60 s; DSV3_COMM_TIMEOUT).
+Comm& world_comm();
+// Whether this process was started by an MPI launcher (mpirun's environment).
+bool launched_by_mpi();
 
 }  // namespace dsv3
