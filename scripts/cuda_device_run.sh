@@ -11,7 +11,9 @@
 # ALT_NVFLAGS (build the kernels a second time with these nvcc flags as bench_alt and run BENCH_ARGS on
 # both, alternating ALT_ROUNDS times with ALT_ARGS if given), ALT_SRC (... or from the CUDA backend (.cu and .cc) of this copy of src/, e.g.
 # an untracked alt/src carried along), ALT2_NVFLAGS / ALT2_SRC (a third build, bench_alt2, in the same rounds), LT_ARGS (run dsv3_cublaslt_bench with them), CLI=1 (also build `dsv3` with the bench command) and CLI_ARGS (run it, e.g. "bench --device cuda ...").
-# SKEL_ARGS="ARGS|ARGS|..." (build dsv3_cuda_step_skeleton_bench and run it once per argument set, "-" for none).
+# OLD_TREE=DIR (another checkout, e.g. an untracked copy of main carried along: built with its own copy of
+# this script in the background, its benchmark run alternately with this tree's, OLD_ROUNDS times, with OLD_ARGS,
+# default BENCH_ARGS), JOBS (parallel compiles, default all cores).
 # NCU=<kernel regex> (Nsight Compute; NCU_ARGS, NCU_SKIP, NCU_COUNT, NCU_EXTRA, NCU_STALLS=1), PACK=0 (do not
 # pack $OUT into all.tgz when it holds more than 8 files).
 # ENV_AB="SET|SET|..." (each SET space-separated VAR=VALUE words, "-" for none; a first word @alt or
@@ -72,7 +74,6 @@ compile "$DEPS/gtest/src/gtest_main.cc" "$B/gtest_main.o" g++ -std=c++17 -O2 -I$
 compile tests/cuda_backend_test.cc "$B/test.o" g++ $CXXFLAGS -Itests "-DDSV3_TEST_DATA=\"$ROOT/tests/data\""
 compile bench/cuda_bench.cc "$B/bench.o" g++ $CXXFLAGS -Ibench
 compile bench/cublaslt_fp8_bench.cc "$B/ltbench.o" g++ $CXXFLAGS -Ibench
-[ -n "${SKEL_ARGS:-}" ] && compile bench/cuda_step_skeleton_bench.cu "$B/skel.o" nvcc $NVFLAGS
 if [ "${CLI:-0}" = 1 ]; then  # the dsv3 binary with the bench command only (for --device cuda)
   mkdir -p "$B/cli"
   for s in src/backend/registry.cc src/backend/cpu/*.cc src/tools/main.cc src/tools/cmd_bench.cc src/tools/model_options.cc; do
@@ -100,7 +101,6 @@ wait
 fail=0
 ls "$B"/FAILED_* > /dev/null 2>&1 && fail=1
 cat $B/obj/*.cu.o.log > "$OUT/ptxas.txt" 2>/dev/null
-[ -n "${SKEL_ARGS:-}" ] && cat "$B/skel.o.log" >> "$OUT/ptxas.txt" 2>/dev/null
 LIBS="-L/usr/local/cuda/lib64 -lcublas -lcublasLt -lcudart -lpthread"
 # Links bench_NAME: the main build's objects but its kernels (with a source tree of its own, but
 # the CUDA backend's host code and the benchmark as well), and NAME's.  alt_link NAME SRC_TREE
@@ -117,7 +117,6 @@ if [ $fail = 0 ]; then
   if [ -n "$ALT" ]; then alt_link alt "${ALT_SRC:-}" || fail=1; fi
   if [ -n "$ALT2" ]; then alt_link alt2 "${ALT2_SRC:-}" || fail=1; fi
   if [ "${CLI:-0}" = 1 ]; then g++ -o "$B/dsv3" $B/cli/*.o $B/obj/*.o $LIBS || fail=1; fi
-  if [ -n "${SKEL_ARGS:-}" ]; then g++ -o "$B/skel" "$B/skel.o" $LIBS || fail=1; fi
 fi
 log "build done in $(( $(date +%s) - t0 )) s, fail=$fail"
 [ $fail = 0 ] || exit 1
@@ -161,7 +160,7 @@ if [ -n "${OLD_TREE:-}" ]; then  # A/B against another tree's dsv3_cuda_bench (e
     done
   done
 fi
-if [ -n "${ENV_AB:-}" ]; then  # e.g. ENV_AB="-|DSV3_CUDA_PAIR_GEMV=0|DSV3_CUDA_PAIR_GEMV=0 DSV3_CUDA_FLASH=0|@alt"
+if [ -n "${ENV_AB:-}" ]; then  # e.g. ENV_AB="-|DSV3_CUDA_PDL=0|DSV3_CUDA_GRAPH=0 DSV3_CUDA_PDL=0|@alt"
   EARGS=${ENV_ARGS:---dtypes fp8,bf16 --decode-only --batches 1 --variants default}
   IFS='|' read -r -a SETS <<< "$ENV_AB"
   for r in $(seq 1 ${ENV_ROUNDS:-3}); do
@@ -178,18 +177,6 @@ if [ -n "${ENV_AB:-}" ]; then  # e.g. ENV_AB="-|DSV3_CUDA_PAIR_GEMV=0|DSV3_CUDA_
   log "env A/B: $EARGS (min / median / max over ${ENV_ROUNDS:-3} rounds)"
   if command -v python3 > /dev/null; then python3 scripts/ab_table.py "$OUT/env_ab.log" | tee -a "$OUT/summary.txt"
   else grep -E "setting|tok/s" "$OUT/env_ab.log" | tee -a "$OUT/summary.txt"; fi
-fi
-if [ -n "${SKEL_ARGS:-}" ]; then  # e.g. SKEL_ARGS="-|--sync-only|--dtype bf16"
-  IFS='|' read -r -a SKS <<< "$SKEL_ARGS"
-  n=0
-  for a in "${SKS[@]}"; do
-    a=$(echo $a); [ "$a" = - ] && a=
-    n=$((n + 1))
-    log "step skeleton $n: $a"
-    timeout ${SKEL_TIMEOUT:-120} "$B/skel" $a > "$OUT/skel_$n.log" 2>&1
-    log "step skeleton $n rc=$?"
-    cat "$OUT/skel_$n.log" | tee -a "$OUT/summary.txt"
-  done
 fi
 if [ -n "${LT_ARGS:-}" ]; then  # e.g. LT_ARGS="--reps 50": dsv3_cublaslt_bench
   log "cublaslt bench $LT_ARGS"
