@@ -21,6 +21,9 @@ struct EngineRequest {
   std::vector<int32_t> stop_ids;   // sampling one of these ends the request ("stop"); EOS always does
   int top_logprobs = -1;           // -1: no log-probabilities; 0: the sampled token's; k > 0: also the k most
                                    // likely tokens' (of the distribution before temperature and filters)
+  // EOS does not end the request (it is sampled and reported like any other token); stop_ids still
+  // do. The HTTP server's `ignore_eos` extension: benchmarks need outputs of an exact length.
+  bool ignore_eos = false;
 };
 
 enum class Finish { kNone, kStop, kLength, kCancelled, kError };
