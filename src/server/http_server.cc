@@ -1,6 +1,7 @@
 #include "server/http_server.h"
 
 #include <httplib.h>
+#include <sys/socket.h>
 
 #include <chrono>
 #include <thread>
@@ -49,6 +50,14 @@ bool same_secret(const std::string& a, const std::string& b) {
   return diff == 0;
 }
 
+// httplib's server with a longer listen queue: Debian's build listens with a backlog of 5, and
+// a burst of clients connecting at once overflows it (their connections wait for a SYN
+// retransmit, some fail). listen() again on the bound socket sets the new backlog.
+class Listener : public httplib::Server {
+ public:
+  bool widen_backlog(int n) { return ::listen(svr_sock_, n) == 0; }
+};
+
 // Counts an answer in flight for as long as it lives.
 struct Active {
   explicit Active(std::atomic<int>& n) : n_(n) { n_++; }
@@ -70,6 +79,7 @@ struct StreamState {
   ServerShared& shared;
   Active active;
   bool started = false, ended = false;
+  Clock::time_point checked = Clock::now();  // when the connection was last checked
 
   bool event(httplib::DataSink& sink, const std::string& data) {
     const std::string s = "data: " + data + "\n\n";
@@ -108,8 +118,12 @@ struct StreamState {
       for (const json& c : writer.chunks(u, usage))
         if (!event(sink, c)) return false;
     }
-    if (updates.empty() && !sink.is_writable()) return false;  // the client left while nothing came
     if (gen->done()) return end(sink, nullptr);
+    // A client that left is seen when a write fails, or here while nothing is written.
+    if (Clock::now() - checked >= std::chrono::duration<double>(kPollSeconds)) {
+      checked = Clock::now();
+      if (!sink.is_writable()) return false;
+    }
     return true;
   }
   void released(bool success) {
@@ -122,12 +136,12 @@ struct StreamState {
 }  // namespace
 
 HttpServer::HttpServer(Engine& engine, const Tokenizer& tok, const ChatTemplate* tmpl, ServeOptions opt)
-    : engine_(engine), tok_(tok), tmpl_(tmpl), opt_(std::move(opt)) {
+    : engine_(engine), tok_(tok), tmpl_(tmpl), encoder_(tok), opt_(std::move(opt)) {
   if (opt_.max_seqs < 1) fail("--max-seqs must be >= 1, got ", opt_.max_seqs);
   if (opt_.max_queue < 0) opt_.max_queue = 8 * opt_.max_seqs;
   shared_ = std::make_shared<ServerShared>(opt_.max_seqs + opt_.max_queue);
   started_ = std::chrono::duration_cast<std::chrono::seconds>(std::chrono::system_clock::now().time_since_epoch()).count();
-  http_ = std::make_unique<httplib::Server>();
+  http_ = std::make_unique<Listener>();
   // One thread per connection: enough for every admitted request plus some to refuse the rest
   // (429) and answer /health and /metrics while the queue is full.
   const size_t threads = size_t(shared_->capacity()) + 16;
@@ -147,6 +161,7 @@ int HttpServer::bind() {
   } else if (!http_->bind_to_port(opt_.host, port)) {
     fail("cannot listen on ", opt_.host, ":", port, " (in use, or not an address of this machine?)");
   }
+  if (!static_cast<Listener&>(*http_).widen_backlog(SOMAXCONN)) fail("cannot set the listen queue of port ", port);
   return port;
 }
 
@@ -259,7 +274,7 @@ void HttpServer::completions(const httplib::Request& req, httplib::Response& res
     if (!r.model.empty() && r.model != opt_.model_name)
       throw ApiError(404, str("the model '", r.model, "' does not exist: this server serves '", opt_.model_name, "'"),
                      "model", "model_not_found");
-    std::vector<ChoiceSpec> specs = plan_choices(r, {tok_, tmpl_, engine_.max_context(), engine_.vocab_size()});
+    std::vector<ChoiceSpec> specs = plan_choices(r, {tok_, encoder_, tmpl_, engine_.max_context(), engine_.vocab_size()});
     const int n = int(specs.size());
     if (n > shared_->capacity())
       throw ApiError(400, str("the request asks for ", n, " sequences (prompts x n), more than the server holds (",
@@ -301,16 +316,18 @@ void HttpServer::completions(const httplib::Request& req, httplib::Response& res
 
 void HttpServer::answer(const httplib::Request& req, httplib::Response& res, Generation& gen, ResponseWriter& writer) {
   ConnectionWatch watch(req.remote_addr, req.remote_port, req.local_port);
+  Clock::time_point checked = Clock::now();
   while (!gen.done()) {
-    std::vector<ChoiceUpdate> updates = gen.poll(kPollSeconds);
-    for (const ChoiceUpdate& u : updates) {
+    for (const ChoiceUpdate& u : gen.poll(kPollSeconds)) {
       if (!u.error.empty()) {
         gen.cancel();
         return reply_error(res, ApiError(u.engine_finish == Finish::kCancelled ? 503 : 500, u.error));
       }
       writer.collect(u);
     }
-    if (updates.empty() && watch.closed()) {
+    if (Clock::now() - checked < std::chrono::duration<double>(kPollSeconds)) continue;
+    checked = Clock::now();
+    if (watch.closed()) {
       gen.cancel();
       shared_->metrics.count_error(ErrorKind::kClientDisconnect);
       return send_json(res, 499, error_body(ApiError(499, "the client closed the connection")));  // unread

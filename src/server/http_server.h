@@ -10,6 +10,7 @@
 
 #include "runtime/engine.h"
 #include "server/api_request.h"
+#include "server/encoder.h"
 #include "server/generation.h"
 #include "text/chat_template.h"
 #include "text/tokenizer.h"
@@ -66,6 +67,7 @@ class HttpServer {
   Engine& engine_;
   const Tokenizer& tok_;
   const ChatTemplate* tmpl_;
+  Encoder encoder_;
   ServeOptions opt_;
   std::shared_ptr<ServerShared> shared_;
   std::unique_ptr<httplib::Server> http_;

@@ -23,7 +23,7 @@ Prompt chat_prompt(const ApiRequest& r, const PlanInputs& in) {
     throw ApiError(400, str("the chat template cannot render these messages: ", e.what()), "messages");
   }
   Prompt p;
-  p.ids = in.tok.encode(text);
+  p.ids = in.encoder.encode(text);
   p.opens_reasoning = prompt_opens_reasoning(text);
   return p;
 }
@@ -39,7 +39,7 @@ Prompt completion_prompt(const PromptInput& input, const PlanInputs& in) {
     return p;
   }
   if (in.tok.bos_id() >= 0) p.ids.push_back(in.tok.bos_id());  // as Hugging Face tokenizers add it
-  const std::vector<int32_t> text = in.tok.encode(input.text);
+  const std::vector<int32_t> text = in.encoder.encode(input.text);
   p.ids.insert(p.ids.end(), text.begin(), text.end());
   return p;
 }

@@ -6,6 +6,7 @@
 
 #include "runtime/engine.h"
 #include "server/api_request.h"
+#include "server/encoder.h"
 #include "server/generation.h"
 #include "text/chat_template.h"
 #include "text/tokenizer.h"
@@ -14,6 +15,7 @@ namespace dsv3::server {
 
 struct PlanInputs {
   const Tokenizer& tok;
+  Encoder& encoder;          // tokenizes (tok's encode, on its own thread)
   const ChatTemplate* tmpl;  // null: chat requests are refused
   int max_context = 0;       // Engine::max_context()
   int vocab_size = 0;        // Engine::vocab_size()

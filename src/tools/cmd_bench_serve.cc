@@ -79,7 +79,7 @@ Outcome run_one(server::ApiClient& cli, const Config& c, const std::vector<int32
   });
   o.e2e = seconds(Clock::now() - start);
   o.output_tokens = std::max(usage_tokens, 0);
-  if (!res.error.empty()) o.error = "connection";
+  if (!res.error.empty()) o.error = "connection (" + res.error + ")";
   else if (res.status != 200) o.error = "http_" + std::to_string(res.status);
   else if (!stream_error.empty()) o.error = stream_error;
   else if (usage_tokens != c.output_len) o.error = "short_output";
