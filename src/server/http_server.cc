@@ -274,12 +274,14 @@ void HttpServer::completions(const httplib::Request& req, httplib::Response& res
     if (!r.model.empty() && r.model != opt_.model_name)
       throw ApiError(404, str("the model '", r.model, "' does not exist: this server serves '", opt_.model_name, "'"),
                      "model", "model_not_found");
-    std::vector<ChoiceSpec> specs = plan_choices(r, {tok_, encoder_, tmpl_, engine_.max_context(), engine_.vocab_size()});
-    const int n = int(specs.size());
+    // Checked before the prompts are planned: that makes n x prompts copies of them.
+    const int n = r.n * (ep == Endpoint::kChat ? 1 : int(r.prompts.size()));
     if (n > shared_->capacity())
       throw ApiError(400, str("the request asks for ", n, " sequences (prompts x n), more than the server holds (",
                               shared_->capacity(), ": --max-seqs + --max-queue)"),
                      "n");
+    std::vector<ChoiceSpec> specs =
+        plan_choices(r, {tok_, encoder_, tmpl_, engine_.max_context(), engine_.vocab_size()});
     if (!shared_->reserve(n))
       throw ApiError(429, str("the server's queue is full (", shared_->capacity(),
                               " sequences running or waiting): retry later"),

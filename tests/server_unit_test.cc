@@ -1,9 +1,11 @@
-// The server's pieces without a server: request parsing and its refusals, the choice text
-// (incremental UTF-8, stop strings held back and cut, the reasoning split) and the metrics text.
+// The server's pieces without a server: request parsing and its refusals, planning (every field
+// reaching the engine request), the choice text (incremental UTF-8, stop strings held back and
+// cut, the reasoning split) and the metrics text.
 #include <gtest/gtest.h>
 
 #include "server/api_request.h"
 #include "server/metrics.h"
+#include "server/plan.h"
 #include "server/text_stream.h"
 #include "text/utf8.h"
 
@@ -131,6 +133,85 @@ TEST(ServerRequest, RefusesBadInputNamingTheField) {
   }
   const auto body = error_body(ApiError(429, "full", "", "queue_full"));
   EXPECT_EQ(body.dump(), R"({"error":{"message":"full","type":"rate_limit_error","param":null,"code":"queue_full"}})");
+}
+
+TEST(ServerPlan, EveryFieldReachesTheEngineRequest) {
+  auto tok = Tokenizer::load(find_tokenizer_dir(""));
+  Encoder enc(*tok);
+  const PlanInputs in{*tok, enc, nullptr, 100, 1000};
+  ApiRequest r = parse_api_request(R"({"prompt": ["a b", [5, 6]], "n": 2, "seed": 10, "temperature": 0.5,
+      "top_k": 3, "top_p": 0.8, "min_p": 0.1, "presence_penalty": 0.2, "frequency_penalty": 0.3,
+      "repetition_penalty": 1.4, "stop_token_ids": [7], "ignore_eos": true, "logprobs": 2, "max_tokens": 9,
+      "stop": ["x"]})",
+                                   Endpoint::kCompletion);
+  std::vector<ChoiceSpec> specs = plan_choices(r, in);
+  ASSERT_EQ(specs.size(), 4u);
+  std::vector<int32_t> text_ids = {tok->bos_id()};
+  for (int32_t id : tok->encode("a b")) text_ids.push_back(id);
+  for (size_t i = 0; i < 4; ++i) {
+    const EngineRequest& e = specs[i].request;
+    EXPECT_EQ(specs[i].prompt, int(i / 2));
+    EXPECT_EQ(e.prompt, i < 2 ? text_ids : (std::vector<int32_t>{5, 6}));
+    EXPECT_EQ(e.sampling.seed, 10 + i % 2);  // choice i of each prompt: seed + i
+    EXPECT_FLOAT_EQ(e.sampling.temperature, 0.5f);
+    EXPECT_EQ(e.sampling.top_k, 3);
+    EXPECT_FLOAT_EQ(e.sampling.top_p, 0.8f);
+    EXPECT_FLOAT_EQ(e.sampling.min_p, 0.1f);
+    EXPECT_FLOAT_EQ(e.sampling.presence_penalty, 0.2f);
+    EXPECT_FLOAT_EQ(e.sampling.frequency_penalty, 0.3f);
+    EXPECT_FLOAT_EQ(e.sampling.repetition_penalty, 1.4f);
+    EXPECT_EQ(e.max_tokens, 9);
+    EXPECT_EQ(e.stop_ids, std::vector<int32_t>{7});
+    EXPECT_TRUE(e.ignore_eos);
+    EXPECT_EQ(e.top_logprobs, 2);
+    EXPECT_EQ(specs[i].text.stop, std::vector<std::string>{"x"});
+    EXPECT_FALSE(specs[i].text.split_reasoning);
+  }
+  // No max_tokens: the rest of the context. No seed: the choices still differ.
+  r = parse_api_request(R"({"prompt": [[5, 6, 7]], "n": 2})", Endpoint::kCompletion);
+  specs = plan_choices(r, in);
+  EXPECT_EQ(specs[0].request.max_tokens, 97);
+  EXPECT_EQ(specs[1].request.sampling.seed, specs[0].request.sampling.seed + 1);
+  EXPECT_EQ(specs[0].request.top_logprobs, -1);
+  // Refusals name the numbers.
+  auto refused = [&](const std::string& body, const std::string& needle) {
+    try {
+      plan_choices(parse_api_request(body, Endpoint::kCompletion), in);
+    } catch (const ApiError& e) {
+      EXPECT_EQ(e.status, 400);
+      EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
+      return;
+    }
+    ADD_FAILURE() << "accepted: " << body;
+  };
+  refused(R"({"prompt": [1, 1000]})", "prompt token 1 is id 1000, outside the vocabulary [0, 1000)");
+  refused(R"({"prompt": [1, 2], "max_tokens": 99})", "context is 100 tokens, but the prompt has 2 tokens and max_tokens asks for 99 more (101 in all)");
+}
+
+TEST(ServerPlan, ChatTemplateKwargsOpenReasoning) {
+  auto tok = Tokenizer::load(find_tokenizer_dir(""));
+  Encoder enc(*tok);
+  const ChatTemplate tmpl(
+      "{{ bos_token }}{% for m in messages %}<｜User｜>{{ m['content'] }}{% endfor %}<｜Assistant｜>"
+      "{% if thinking is defined and thinking %}<think>\n{% else %}</think>{% endif %}",
+      nlohmann::ordered_json{{"bos_token", "<｜begin▁of▁sentence｜>"}});
+  const PlanInputs in{*tok, enc, &tmpl, 1000, tok->vocab_size()};
+  const std::string msgs = R"("messages": [{"role": "user", "content": "q"}])";
+  std::vector<ChoiceSpec> think =
+      plan_choices(parse_api_request("{" + msgs + R"(, "chat_template_kwargs": {"thinking": true}})", Endpoint::kChat), in);
+  std::vector<ChoiceSpec> plain = plan_choices(parse_api_request("{" + msgs + "}", Endpoint::kChat), in);
+  EXPECT_TRUE(think[0].text.split_reasoning);
+  EXPECT_TRUE(think[0].text.prompt_opens_reasoning);
+  EXPECT_FALSE(plain[0].text.prompt_opens_reasoning);
+  EXPECT_EQ(think[0].request.prompt, tok->encode("<｜begin▁of▁sentence｜><｜User｜>q<｜Assistant｜><think>\n"));
+  EXPECT_EQ(plain[0].request.prompt, tok->encode("<｜begin▁of▁sentence｜><｜User｜>q<｜Assistant｜></think>"));
+  try {
+    plan_choices(parse_api_request("{" + msgs + R"(, "chat_template_kwargs": {"messages": 1}})", Endpoint::kChat), in);
+    ADD_FAILURE() << "accepted";
+  } catch (const ApiError& e) {
+    EXPECT_EQ(e.param, "messages");
+    EXPECT_NE(std::string(e.what()).find("may not set"), std::string::npos) << e.what();
+  }
 }
 
 TEST(ServerText, StopStringsAreHeldBackAndCut) {
