@@ -169,8 +169,10 @@ TEST(ServerLoad, ConcurrentClientsWithDisconnects) {
   idle_metrics(server.url());
   const int64_t rss2 = rss_bytes(server.pid());
   std::printf("second round: RSS %.1f MB\n", double(rss2) / 1e6);
+#ifndef __SANITIZE_ADDRESS__  // AddressSanitizer holds freed memory in quarantine: RSS grows by design
   EXPECT_LT(rss2 - rss1, int64_t(8) << 20) << "RSS " << rss0 << " -> " << rss1 << " -> " << rss2;
   EXPECT_LT(rss1 - rss0, int64_t(32) << 20) << "RSS " << rss0 << " -> " << rss1;
+#endif
 }
 
 }  // namespace
