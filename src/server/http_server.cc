@@ -3,6 +3,7 @@
 #include <httplib.h>
 #include <sys/socket.h>
 
+#include <algorithm>
 #include <chrono>
 #include <thread>
 
@@ -17,6 +18,7 @@ namespace dsv3::server {
 namespace {
 
 constexpr double kPollSeconds = 0.1;  // how often an idle answer checks that its client is still there
+constexpr size_t kMaxThreads = 900;   // connection threads at most
 
 void send_json(httplib::Response& res, int status, const json& body) {
   res.status = status;
@@ -143,8 +145,10 @@ HttpServer::HttpServer(Engine& engine, const Tokenizer& tok, const ChatTemplate*
   started_ = std::chrono::duration_cast<std::chrono::seconds>(std::chrono::system_clock::now().time_since_epoch()).count();
   http_ = std::make_unique<Listener>();
   // One thread per connection: enough for every admitted request plus some to refuse the rest
-  // (429) and answer /health and /metrics while the queue is full.
-  const size_t threads = size_t(shared_->capacity()) + 16;
+  // (429) and answer /health and /metrics while the queue is full; at most kMaxThreads (httplib
+  // 0.11 waits on sockets with select(), which takes descriptors below 1024 only). Connections
+  // beyond that wait for a thread.
+  const size_t threads = std::min<size_t>(size_t(shared_->capacity()) + 16, kMaxThreads);
   http_->new_task_queue = [threads] { return new httplib::ThreadPool(threads); };
   http_->set_payload_max_length(opt_.max_body_bytes);
   http_->set_keep_alive_max_count(100);
