@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
-# Installs the Debian packages the build needs (root or sudo), then fetches the tokenizer.
-# Idempotent: packages already present are skipped.
+# Installs the Debian packages the build and tests need (root or sudo), then fetches the
+# tokenizer and the node packages of the server tests. Idempotent: what is present is skipped.
 set -euo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
 pkgs=(build-essential cmake ninja-build pkg-config libpcre2-dev nlohmann-json3-dev libgtest-dev openmpi-bin libopenmpi-dev
-      libgmock-dev libbenchmark-dev libcpp-httplib-dev clang libclang-rt-dev tmux nodejs npm)
+      libgmock-dev libbenchmark-dev libcpp-httplib-dev clang libclang-rt-dev tmux nodejs npm
+      chromium fonts-dejavu-core)
 missing=()
 for p in "${pkgs[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
@@ -20,4 +21,5 @@ if [ ${#todo[@]} -gt 0 ]; then
   $SUDO apt-get update -q
   DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -q --no-install-recommends "${todo[@]}"
 fi
+"$here/fetch_node_deps.sh" >/dev/null
 "$here/fetch_tokenizer.sh"

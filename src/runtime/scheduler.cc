@@ -46,7 +46,7 @@ int Scheduler::max_context() const { return model_.max_len(); }
 int Scheduler::vocab_size() const { return opt_.vocab_limit > 0 ? opt_.vocab_limit : model_.args().vocab_size; }
 
 uint64_t Scheduler::submit(EngineRequest req, StreamFn on_event) {
-  const int V = model_.args().vocab_size;
+  const int V = vocab_size();  // (ids past the tokenizer's are the checkpoint's padding rows)
   if (req.prompt.empty()) fail("empty prompt");
   for (int32_t t : req.prompt)
     if (t < 0 || t >= V) fail("token id ", t, " is outside the vocabulary [0, ", V, ")");
@@ -81,7 +81,7 @@ void Scheduler::cancel(uint64_t request) {
 EngineStats Scheduler::stats() const {
   std::lock_guard<std::mutex> lk(mu_);
   EngineStats s = stats_;
-  s.waiting += int(incoming_.size());
+  s.waiting = queued_;  // submitted or preempted, not yet running
   return s;
 }
 
@@ -133,9 +133,11 @@ void Scheduler::finish(Seq& s, Finish f, const std::string& error, std::vector<S
   const bool was_waiting = std::find(waiting_.begin(), waiting_.end(), &s) != waiting_.end();
   waiting_.erase(std::remove(waiting_.begin(), waiting_.end(), &s), waiting_.end());
   running_.erase(std::remove(running_.begin(), running_.end(), &s), running_.end());
-  if (was_waiting) {
+  {
     std::lock_guard<std::mutex> lk(mu_);
-    --queued_;
+    if (was_waiting) --queued_;
+    stats_.running = int(running_.size());
+    stats_.kv_blocks_used = kv_.used_blocks();
   }
   const StreamFn fn = std::move(s.fn);
   seqs_.erase(s.id);
@@ -150,6 +152,7 @@ void Scheduler::preempt(Seq& s) {
   std::lock_guard<std::mutex> lk(mu_);
   ++queued_;
   ++stats_.preemptions;
+  stats_.running = int(running_.size());
 }
 
 // Before a waiting sequence first runs (again): the longest prefix of its tokens the cache holds,
@@ -216,13 +219,14 @@ bool Scheduler::step() {
     const int64_t n = std::min(s->len() - s->computed, budget);
     if (!kv_.grow(s->table, s->computed + n)) break;
     waiting_.pop_front();
-    {
-      std::lock_guard<std::mutex> lk(mu_);
-      --queued_;
-    }
     running_.insert(std::upper_bound(running_.begin(), running_.end(), s,
                                      [](const Seq* a, const Seq* b) { return a->order < b->order; }),
                     s);
+    {
+      std::lock_guard<std::mutex> lk(mu_);
+      --queued_;
+      stats_.running = int(running_.size());
+    }
     plan.push_back({s, n});
     budget -= n;
   }
@@ -261,7 +265,6 @@ bool Scheduler::step() {
   }
   std::lock_guard<std::mutex> lk(mu_);
   stats_.running = int(running_.size());
-  stats_.waiting = int(waiting_.size());
   stats_.kv_blocks_used = kv_.used_blocks();
   return true;
 }
@@ -377,9 +380,6 @@ void Scheduler::loop() {
     if (cancel_all) {  // shutdown: whatever is left is cancelled
       take_incoming();
       while (!seqs_.empty()) finish(*seqs_.begin()->second, Finish::kCancelled);
-      std::lock_guard<std::mutex> lk(mu_);
-      stats_.running = stats_.waiting = 0;
-      stats_.kv_blocks_used = kv_.used_blocks();
       return;
     }
     try {

@@ -24,23 +24,6 @@ bool read_file(const std::string& path, std::string& out) {
   return true;
 }
 
-const char* json_type(const ojson& j) {
-  switch (j.type()) {
-    case ojson::value_t::null:
-      return "null";
-    case ojson::value_t::boolean:
-      return "a boolean";
-    case ojson::value_t::string:
-      return "a string";
-    case ojson::value_t::array:
-      return "an array";
-    case ojson::value_t::object:
-      return "an object";
-    default:
-      return "a number";
-  }
-}
-
 // The special tokens transformers puts in the template context (its special_tokens_map).
 ojson special_tokens_of(const ojson& config, const std::string& path) {
   ojson out = ojson::object();
@@ -54,7 +37,7 @@ ojson special_tokens_of(const ojson& config, const std::string& path) {
       out[key] = (*it)["content"];
     } else {
       fail(path, ": \"", key, "\" must be a string or an object with a string \"content\", got ",
-           json_type(*it));
+           json_type_name(*it));
     }
   }
   return out;
@@ -77,7 +60,7 @@ ChatTemplate ChatTemplate::load(const std::string& dir) {
     fail("cannot read ", config_path, " (is ", dir, " a Hugging Face tokenizer directory?)");
   ojson config = ojson::parse(text, nullptr, false);
   if (config.is_discarded()) fail(config_path, " is not valid JSON");
-  if (!config.is_object()) fail(config_path, " must hold a JSON object, got ", json_type(config));
+  if (!config.is_object()) fail(config_path, " must hold a JSON object, got ", json_type_name(config));
   ojson special = special_tokens_of(config, config_path);
 
   const std::string jinja_path = (fs::path(dir) / "chat_template.jinja").string();
@@ -93,7 +76,7 @@ ChatTemplate ChatTemplate::load(const std::string& dir) {
   if (it->is_string()) return ChatTemplate(it->get<std::string>(), special, name);
   if (!it->is_array())
     fail(config_path, ": \"chat_template\" must be a string or a list of {\"name\", \"template\"}, got ",
-         json_type(*it));
+         json_type_name(*it));
   std::optional<ChatTemplate> result;
   std::optional<jinja::Template> tool_use;
   for (const auto& t : *it) {
@@ -110,35 +93,59 @@ ChatTemplate ChatTemplate::load(const std::string& dir) {
   return std::move(*result);
 }
 
+const char* json_type_name(const ojson& j) {
+  switch (j.type()) {
+    case ojson::value_t::null:
+      return "null";
+    case ojson::value_t::boolean:
+      return "a boolean";
+    case ojson::value_t::string:
+      return "a string";
+    case ojson::value_t::array:
+      return "an array";
+    case ojson::value_t::object:
+      return "an object";
+    default:
+      return "a number";
+  }
+}
+
 void validate_chat_messages(const ojson& messages) {
   if (!messages.is_array())
-    fail("messages must be a JSON array of message objects, got ", json_type(messages));
+    fail("messages must be a JSON array of message objects, got ", json_type_name(messages));
   for (size_t i = 0; i < messages.size(); ++i) {
     const ojson& m = messages[i];
     const std::string at = str("messages[", i, "]");
-    if (!m.is_object()) fail(at, " must be an object with \"role\" and \"content\", got ", json_type(m));
+    if (!m.is_object()) fail(at, " must be an object with \"role\" and \"content\", got ", json_type_name(m));
     auto role = m.find("role");
     if (role == m.end()) fail(at, " has no \"role\"");
-    if (!role->is_string()) fail(at, ".role must be a string, got ", json_type(*role));
+    if (!role->is_string()) fail(at, ".role must be a string, got ", json_type_name(*role));
     auto calls = m.find("tool_calls");
     bool has_calls = calls != m.end() && !calls->is_null();
-    if (has_calls && !calls->is_array()) fail(at, ".tool_calls must be an array, got ", json_type(*calls));
+    if (has_calls && !calls->is_array()) fail(at, ".tool_calls must be an array, got ", json_type_name(*calls));
     auto content = m.find("content");
     if (content == m.end()) fail(at, " (role \"", role->get<std::string>(), "\") has no \"content\"");
     if (content->is_null()) {
       if (!has_calls) fail(at, ".content is null, which is allowed only for a message with \"tool_calls\"");
     } else if (!content->is_string()) {
-      fail(at, ".content must be a string", has_calls ? " or null" : "", ", got ", json_type(*content));
+      fail(at, ".content must be a string", has_calls ? " or null" : "", ", got ", json_type_name(*content));
     }
   }
 }
 
 std::string ChatTemplate::render(const ojson& messages, bool add_generation_prompt,
-                                 const ojson& tools) const {
+                                 const ojson& tools, const ojson& kwargs) const {
   validate_chat_messages(messages);
   if (!tools.is_null() && !tools.is_array())
-    fail("tools must be a JSON array (or null), got ", json_type(tools));
+    fail("tools must be a JSON array (or null), got ", json_type_name(tools));
+  if (!kwargs.is_null() && !kwargs.is_object())
+    fail("chat template kwargs must be a JSON object (or null), got ", json_type_name(kwargs));
   ojson ctx = special_tokens_;
+  if (kwargs.is_object()) {
+    for (const char* reserved : {"messages", "tools", "documents", "add_generation_prompt"})
+      if (kwargs.contains(reserved)) fail("chat template kwargs may not set \"", reserved, "\"");
+    for (auto it = kwargs.begin(); it != kwargs.end(); ++it) ctx[it.key()] = it.value();
+  }
   ctx["messages"] = messages;
   ctx["tools"] = tools;
   ctx["documents"] = nullptr;

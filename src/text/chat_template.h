@@ -26,10 +26,14 @@ class ChatTemplate {
                std::string name = "chat_template");
 
   // The prompt for `messages` (validated with validate_chat_messages). `tools` (null or a list)
-  // is passed to the template as `tools`. Throws Error for invalid messages and for anything the
-  // template cannot render (raise_exception, undefined values, unsupported Jinja).
+  // is passed to the template as `tools`. `kwargs` (null or an object) are further template
+  // variables, as transformers' apply_chat_template(**kwargs) passes them (e.g. DeepSeek-V3.1's
+  // `thinking`); they may replace a special token but not messages, tools, documents or
+  // add_generation_prompt. Throws Error for invalid messages and for anything the template
+  // cannot render (raise_exception, undefined values, unsupported Jinja).
   std::string render(const nlohmann::ordered_json& messages, bool add_generation_prompt = true,
-                     const nlohmann::ordered_json& tools = nullptr) const;
+                     const nlohmann::ordered_json& tools = nullptr,
+                     const nlohmann::ordered_json& kwargs = nullptr) const;
   // The same for an nlohmann::json (key order of its objects is already sorted there).
   std::string render(const nlohmann::json& messages, bool add_generation_prompt = true,
                      const nlohmann::json& tools = nullptr) const;
@@ -42,6 +46,9 @@ class ChatTemplate {
   std::optional<jinja::Template> tool_use_;  // a named "tool_use" template, used when tools are given
   nlohmann::ordered_json special_tokens_;
 };
+
+// "null", "a boolean", "a string", "an array", "an object" or "a number": for error messages.
+const char* json_type_name(const nlohmann::ordered_json& j);
 
 // Checks that `messages` is a list of objects, each with a string "role" and a "content" that is a
 // string, or null when the message has "tool_calls" (a list). Throws Error naming the message
