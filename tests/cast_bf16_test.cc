@@ -123,7 +123,7 @@ TEST_P(CastGolden, LogitsPassTheReferencesBf16Bar) {
   const std::string c = GetParam(), out = fresh_dir("cast_logits_" + c);
   const CliRun run = cast(case_dir(c) + "/hf", out);
   ASSERT_EQ(run.rc, 0) << run.err;
-  SafetensorsFile ours(golden_logits(c, out, "", tmp_path("cast_logits_" + c + ".safetensors")));
+  SafetensorsFile ours(golden_logits(c, out, "", fresh_dir("cast_logits_" + c + ".safetensors")));
   SafetensorsFile g(case_dir(c) + "/golden.safetensors");
   std::vector<double> err_ours, err_ref;
   int agree_ours = 0, agree_ref = 0, rows = 0;

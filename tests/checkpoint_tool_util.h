@@ -6,6 +6,7 @@
 #include <nlohmann/json.hpp>
 #include <set>
 #include <string>
+#include <vector>
 
 #include "cli_util.h"
 #include "golden_util.h"
@@ -14,10 +15,20 @@
 
 namespace dsv3::testing_util {
 
-// A path for a directory the test creates (or a command writes); nothing is there yet.
+// A scratch path for a folder or file the test creates (or a command writes): nothing is there
+// yet, and whatever is there when the test process ends is removed.
 inline std::string fresh_dir(const std::string& name) {
+  struct Scratch {
+    std::vector<std::string> paths;
+    ~Scratch() {
+      std::error_code ec;
+      for (auto& p : paths) std::filesystem::remove_all(p, ec);
+    }
+  };
+  static Scratch scratch;
   const std::string d = tmp_path(name);
   std::filesystem::remove_all(d);
+  scratch.paths.push_back(d);
   return d;
 }
 

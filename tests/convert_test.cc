@@ -162,9 +162,9 @@ TEST_P(ConvertLoads, Mp1GivesTheHfLayoutsLogits) {
   const std::string out = fresh_dir("conv_load_" + c);
   const CliRun run = convert(case_dir(c) + "/hf", out, n_experts_of(c), 1);
   ASSERT_EQ(run.rc, 0) << run.err;
-  SafetensorsFile hf(golden_logits(c, case_dir(c) + "/hf", "", tmp_path("conv_hf_" + c + ".safetensors")));
+  SafetensorsFile hf(golden_logits(c, case_dir(c) + "/hf", "", fresh_dir("conv_hf_" + c + ".safetensors")));
   SafetensorsFile ref(golden_logits(c, out, "--config '" + case_dir(c) + "/ref_config.json'",
-                                    tmp_path("conv_ref_" + c + ".safetensors")));
+                                    fresh_dir("conv_ref_" + c + ".safetensors")));
   SafetensorsFile g(case_dir(c) + "/golden.safetensors");
   const int steps = golden_steps(g);
   ASSERT_EQ(hf.entries().size(), size_t(steps));
