@@ -425,8 +425,12 @@ TEST(CpuBackend, LinearNormEmbedMatchRef) {
       std::vector<float> ea(60), eb(60);
       Step st;
       st.tokens = tok, st.n = 3;
-      bp.cpu->embed(st, tv, ea.data());
-      bp.ref->embed(st, tv, eb.data());
+      bp.cpu->embed(st, tv, 0, ea.data());
+      bp.ref->embed(st, tv, 0, eb.data());
+      EXPECT_EQ(ea, eb);
+      bp.cpu->embed(st, tv, 10, ea.data());  // a slice of the vocabulary from token 10: token 0 is not in it
+      bp.ref->embed(st, tv, 10, eb.data());
+      EXPECT_EQ(std::vector<float>(ea.begin() + 20, ea.begin() + 40), std::vector<float>(20, 0.f));
       EXPECT_EQ(ea, eb);
     }
 }

@@ -240,9 +240,9 @@ TEST(CudaOps, Embed) {
     Step st;
     st.tokens = tok.data(), st.n = int64_t(tok.size());
     Dev y(*cuda, tok.size() * 72);
-    cuda->embed(st, w.embed, y.p);
+    cuda->embed(st, w.embed, 0, y.p);
     std::vector<float> want(tok.size() * 72);
-    make_ref_backend()->embed(st, table, want.data());
+    make_ref_backend()->embed(st, table, 0, want.data());
     EXPECT_EQ(max_abs_diff(y.get(), want), 0.0);
   }
 }

@@ -29,7 +29,7 @@ class Accepting final : public Backend {
   void upload(float* d, const float* h, size_t n) override { in_->upload(d, h, n); }
   void download(float* h, const float* s, size_t n) override { in_->download(h, s, n); }
   bool fuses(const StepGraph&, Fusion f, int, int) const override { return accept_.count(f) > 0; }
-  void embed(const Step& s, const TensorView& t, float* y) override { in_->embed(s, t, y); }
+  void embed(const Step& s, const TensorView& t, int64_t r0, float* y) override { in_->embed(s, t, r0, y); }
   void rmsnorm(const float* x, int64_t n, int64_t d, int64_t st, const TensorView& w, float e, float* y) override {
     in_->rmsnorm(x, n, d, st, w, e, y);
   }

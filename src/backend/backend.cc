@@ -60,7 +60,7 @@ void Backend::run_op(const StepGraph& g, const Step& s, const Op& op) {
   const Value* in2 = op.in2 >= 0 ? &g.val(op.in2) : nullptr;
   const Value& out = g.val(op.out);
   switch (op.kind) {
-    case OpKind::kEmbed: embed(s, *op.weight, out.data); return;
+    case OpKind::kEmbed: embed(s, *op.weight, op.row0, out.data); return;
     case OpKind::kRmsNorm:
       rmsnorm(in->data, in->rows, in->cols, in->stride, *op.weight, op.eps, out.data);
       return;

@@ -58,8 +58,9 @@ class Backend {
   virtual bool fuses(const StepGraph& g, Fusion f, int first, int count) const { return false; }
 
   // ---- the ops
-  // y[n, dim] = table[tokens[i]] (tokens in host memory, already range-checked).
-  virtual void embed(const Step& s, const TensorView& table, float* y) = 0;
+  // y[n, dim] = table[tokens[i] - row0], zeros for a token outside the table's rows [row0,
+  // row0 + rows) (a rank's slice of the vocabulary). Tokens in host memory, already range-checked.
+  virtual void embed(const Step& s, const TensorView& table, int64_t row0, float* y) = 0;
   // y[n, d] = x / rms(x) * w; rows are `stride` floats apart in x and y (y may alias x).
   virtual void rmsnorm(const float* x, int64_t n, int64_t d, int64_t stride, const TensorView& w, float eps,
                        float* y) = 0;

@@ -90,6 +90,7 @@ struct Op {
   const Linear* linear = nullptr;       // kLinear
   const TensorView* weight = nullptr;   // kRmsNorm: the norm; kEmbed: the table
   float eps = 0.f;                      // kRmsNorm
+  int64_t row0 = 0;                     // kEmbed: the token id of the table's first row
   const AttnWeights* attn = nullptr;    // kMla
   const MoEWeights* moe = nullptr;      // kMoe
   const MLPWeights* mlp = nullptr;      // kMlp

@@ -2,6 +2,8 @@
 // with a deadline, so a rank that died or hangs ends the others with a message naming what
 // stalled, not a silent hang (a rank that dies outright is also noticed by mpirun itself, which
 // ends the job and names it).
+#define OMPI_SKIP_MPICXX 1  // the C API only (no C++ bindings to link)
+#define MPICH_SKIP_MPICXX 1
 #include <mpi.h>
 
 #include <chrono>

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <sstream>
 #include <nlohmann/json.hpp>
 
 #include "core/error.h"
@@ -249,6 +250,23 @@ ModelArgs parse_model_args(const std::string& text, const std::string& what) {
 }
 
 ModelArgs load_model_args(const std::string& path) { return parse_model_args(read_text_file(path), path); }
+
+std::string describe(const ModelArgs& a) {
+  std::ostringstream s;
+  s.precision(9);
+#define DSV3_FIELD(f) s << #f << " " << a.f << "\n"
+  DSV3_FIELD(max_seq_len); DSV3_FIELD(vocab_size); DSV3_FIELD(dim); DSV3_FIELD(inter_dim); DSV3_FIELD(moe_inter_dim);
+  DSV3_FIELD(n_layers); DSV3_FIELD(n_dense_layers); DSV3_FIELD(moe_layer_freq); DSV3_FIELD(n_heads);
+  DSV3_FIELD(n_routed_experts); DSV3_FIELD(n_shared_experts); DSV3_FIELD(n_activated_experts);
+  DSV3_FIELD(n_expert_groups); DSV3_FIELD(n_limited_groups); DSV3_FIELD(score_func); DSV3_FIELD(route_scale);
+  DSV3_FIELD(norm_topk_prob); DSV3_FIELD(q_lora_rank); DSV3_FIELD(kv_lora_rank); DSV3_FIELD(qk_nope_head_dim);
+  DSV3_FIELD(qk_rope_head_dim); DSV3_FIELD(v_head_dim); DSV3_FIELD(yarn); DSV3_FIELD(original_seq_len);
+  DSV3_FIELD(rope_theta); DSV3_FIELD(rope_factor); DSV3_FIELD(beta_fast); DSV3_FIELD(beta_slow); DSV3_FIELD(mscale);
+  DSV3_FIELD(mscale_all_dim); DSV3_FIELD(rms_norm_eps); DSV3_FIELD(dtype); DSV3_FIELD(scale_fmt);
+  DSV3_FIELD(weight_block_size); DSV3_FIELD(bos_token_id); DSV3_FIELD(eos_token_id);
+#undef DSV3_FIELD
+  return s.str();
+}
 ModelArgs load_model_args(const Checkpoint& ck) { return parse_model_args(ck.config_text(), ck.config_path()); }
 
 }  // namespace dsv3

@@ -62,6 +62,9 @@ struct ModelArgs {
 // source in errors. Unknown fields are ignored; missing required ones are errors.
 ModelArgs parse_model_args(const std::string& json_text, const std::string& what);
 ModelArgs load_model_args(const std::string& path);
+// Every field that decides the model's numbers, one "name value" line each: what ranks compare
+// to agree they run the same model.
+std::string describe(const ModelArgs& a);
 // The config of an opened checkpoint (its --config file or config.json), parsed.
 ModelArgs load_model_args(const Checkpoint& ck);
 

@@ -1,5 +1,7 @@
 #include "model/weights.h"
 
+#include <algorithm>
+
 #include "core/error.h"
 #include "io/checkpoint.h"
 
@@ -67,32 +69,123 @@ static bool is_float(DType t) {
   return t == DType::F32 || t == DType::BF16 || t == DType::F16;
 }
 
-ModelWeights load_weights(const Checkpoint& ck) {
+void check_shardable(const ModelArgs& a, int ranks) {
+  if (ranks < 1) fail("the number of ranks must be at least 1, got ", ranks);
+  if (ranks == 1) return;
+  auto need = [&](int64_t v, const char* what) {
+    if (v % ranks != 0) fail(what, " ", v, " does not divide among ", ranks, " ranks");
+  };
+  need(a.n_heads, "num_attention_heads");
+  need(a.vocab_size, "vocab_size");
+  if (a.n_dense_layers > 0) need(a.inter_dim, "intermediate_size");
+  if (a.n_routed_experts > 0) need(a.n_routed_experts, "n_routed_experts");
+  if (a.n_shared_experts > 0) need(int64_t(a.n_shared_experts) * a.moe_inter_dim, "n_shared_experts x moe_intermediate_size");
+}
+
+namespace {
+
+// Whether rows or columns [i0, i0 + n) of a block-scaled weight keep its 128-wide blocks: every
+// one of them maps to the slice's own block i / 128 (the slice starts on a block, or lies inside
+// one). Then the scales' [first, count) blocks go with it.
+bool on_blocks(int64_t i0, int64_t n) { return i0 % 128 == 0 || i0 / 128 == (i0 + n - 1) / 128; }
+std::pair<int64_t, int64_t> scale_range(int64_t i0, int64_t n) {
+  return i0 % 128 == 0 ? std::pair<int64_t, int64_t>{i0 / 128, (n + 127) / 128} : std::pair<int64_t, int64_t>{i0 / 128, 1};
+}
+
+// Rows (axis 0) or columns (axis 1) [i0, i0 + n) of an e4m3 weight with its block scales,
+// dequantised to float32 (each element's w * scale rounded once, as the reference's
+// weight_dequant does in float32): for a slice that cuts through scale blocks.
+TensorView dequant_slice(const TensorView& t, const TensorView& sc, int axis, int64_t i0, int64_t n, ModelWeights& w) {
+  const int64_t rows = t.dim(0), cols = t.dim(1), out_r = axis == 0 ? n : rows, out_c = axis == 1 ? n : cols;
+  auto buf = std::make_shared<std::vector<uint8_t>>(size_t(out_r * out_c) * sizeof(float));
+  float* dst = reinterpret_cast<float*>(buf->data());
+  const float* s = sc.as<float>();
+  const int64_t sc_cols = sc.dim(1);
+  for (int64_t r = 0; r < out_r; ++r)
+    for (int64_t c = 0; c < out_c; ++c) {
+      const int64_t gr = axis == 0 ? i0 + r : r, gc = axis == 1 ? i0 + c : c;
+      dst[r * out_c + c] = load_f32(t, gr * cols + gc) * s[(gr / 128) * sc_cols + gc / 128];
+    }
+  w.owned.push_back(buf);
+  return TensorView{DType::F32, {out_r, out_c}, buf->data()};
+}
+
+// Rows [r0, r0 + n) of a row-major tensor: a view.
+TensorView rows_of(const TensorView& t, int64_t r0, int64_t n) {
+  TensorView v = t;
+  const int64_t row = t.numel() / t.dim(0);
+  v.data = static_cast<const uint8_t*>(t.data) + size_t(r0 * row) * dtype_size(t.dtype);
+  v.shape[0] = n;
+  return v;
+}
+
+// Columns [c0, c0 + n) of a 2-D tensor, copied into `owned`.
+TensorView cols_of(const TensorView& t, int64_t c0, int64_t n, ModelWeights& w) {
+  const size_t es = dtype_size(t.dtype);
+  const int64_t rows = t.dim(0), cols = t.dim(1);
+  auto buf = std::make_shared<std::vector<uint8_t>>(size_t(rows * n) * es);
+  const uint8_t* src = static_cast<const uint8_t*>(t.data);
+  for (int64_t r = 0; r < rows; ++r)
+    std::copy_n(src + size_t(r * cols + c0) * es, size_t(n) * es, buf->data() + size_t(r * n) * es);
+  w.owned.push_back(buf);
+  TensorView v = t;
+  v.data = buf->data();
+  v.shape[1] = n;
+  return v;
+}
+
+}  // namespace
+
+ModelWeights load_weights(const Checkpoint& ck, const Shard& shard) {
   const ModelArgs a = load_model_args(ck);
+  const int P = shard.size;
+  check_shardable(a, P);
+  // The reference's converted files for P ranks hold each rank's slices already.
+  const bool presliced = P > 1 && ck.layout() == "reference";
+  const int64_t E_local = a.n_routed_experts / std::max(P, 1), e0 = shard.rank * E_local;
   ModelWeights w;
   for (const WeightSpec& s : weight_manifest(a, &w)) {
+    if (s.expert >= 0 && P > 1 && (s.expert < e0 || s.expert >= e0 + E_local)) continue;  // another rank's
+    const int split = P > 1 ? s.split_axis : -1;
+    std::vector<int64_t> want = s.shape;
+    if (split >= 0) want[size_t(split)] /= P;
     std::string tname = s.tensor_name();
     if (!ck.has(tname)) {
       if (s.optional) continue;
-      fail(ck.dir(), ": missing tensor '", tname, "' (expected shape ", shape_str(s.shape), ")");
+      fail(ck.dir(), ": missing tensor '", tname, "' (expected shape ", shape_str(presliced ? want : s.shape), ")");
     }
     TensorView t = ck.get(tname);
     auto where = [&] { return str(ck.file_of(tname), ": tensor '", tname, "'"); };
-    if (t.shape != s.shape)
-      fail(where(), " has shape ", shape_str(t.shape), ", expected ", shape_str(s.shape));
+    const std::vector<int64_t>& stored = presliced ? want : s.shape;
+    if (t.shape != stored) fail(where(), " has shape ", shape_str(t.shape), ", expected ", shape_str(stored));
+    // This rank's slice of dimension `split`: [i0, i0 + n).
+    const int64_t n = split >= 0 ? want[size_t(split)] : 0, i0 = int64_t(shard.rank) * n;
+    auto slice = [&](const TensorView& v, int64_t at, int64_t len) {
+      return presliced || split < 0 ? v : split == 0 ? rows_of(v, at, len) : cols_of(v, at, len, w);
+    };
     if (s.kind == WeightKind::kLinear) {
       Linear l;
-      l.weight = t;
       std::string sname = s.name + ".scale";
+      const bool cut = t.dtype == DType::F8_E4M3 && !presliced && split >= 0 && !on_blocks(i0, n);
+      if (!cut) l.weight = slice(t, i0, n);
       if (t.dtype == DType::F8_E4M3) {
         if (!ck.has(sname)) fail(where(), " is F8_E4M3 but its scale '", sname, "' is missing");
-        l.scale = ck.get(sname);
-        std::vector<int64_t> want = {(s.shape[0] + 127) / 128, (s.shape[1] + 127) / 128};
-        if (l.scale.dtype != DType::F32)
-          fail(ck.file_of(sname), ": tensor '", sname, "' must be F32, is ", dtype_name(l.scale.dtype));
-        if (l.scale.shape != want)
-          fail(ck.file_of(sname), ": tensor '", sname, "' has shape ", shape_str(l.scale.shape),
-               ", expected ", shape_str(want), " (128x128 blocks of ", shape_str(s.shape), ")");
+        TensorView sc = ck.get(sname);
+        std::vector<int64_t> sw = {(stored[0] + 127) / 128, (stored[1] + 127) / 128};
+        if (sc.dtype != DType::F32)
+          fail(ck.file_of(sname), ": tensor '", sname, "' must be F32, is ", dtype_name(sc.dtype));
+        if (sc.shape != sw)
+          fail(ck.file_of(sname), ": tensor '", sname, "' has shape ", shape_str(sc.shape), ", expected ",
+               shape_str(sw), " (128x128 blocks of ", shape_str(stored), ")");
+        if (cut) {
+          l.weight = dequant_slice(t, sc, split, i0, n, w);  // (float32: no scale)
+        } else {
+          if (!presliced && split >= 0) {
+            const auto [b0, nb] = scale_range(i0, n);
+            sc = slice(sc, b0, nb);
+          }
+          l.scale = sc;
+        }
       } else if (!is_float(t.dtype)) {
         fail(where(), " has dtype ", dtype_name(t.dtype), ", expected F8_E4M3, BF16, F16 or F32");
       }
@@ -100,9 +193,10 @@ ModelWeights load_weights(const Checkpoint& ck) {
     } else {
       if (!is_float(t.dtype))
         fail(where(), " has dtype ", dtype_name(t.dtype), ", expected BF16, F16 or F32");
-      *s.tensor = t;
+      *s.tensor = slice(t, i0, n);
     }
   }
+  if (P > 1) w.vocab0 = int64_t(shard.rank) * (a.vocab_size / P);
   return w;
 }
 
@@ -147,7 +241,7 @@ WeightStats weight_stats(const ModelArgs& a, const ModelWeights& w) {
     for (const MLPWeights& e : L.moe_w.experts) {
       int64_t before = st.decode_bytes_per_token;
       add_mlp(e, true);
-      one_expert = st.decode_bytes_per_token - before;
+      one_expert = std::max(one_expert, st.decode_bytes_per_token - before);  // (another rank's: empty)
       st.decode_bytes_per_token = before;
     }
     st.decode_bytes_per_token += one_expert * a.n_activated_experts;

@@ -4,6 +4,7 @@
 #pragma once
 #include <functional>
 #include <map>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -57,10 +58,20 @@ struct LayerWeights {
 };
 
 struct ModelWeights {
-  TensorView embed;  // [vocab_size, dim]
+  TensorView embed;  // [vocab_size, dim] (a rank's vocabulary slice: [vocab_size / ranks, dim])
   std::vector<LayerWeights> layers;
   TensorView norm;   // [dim]
-  Linear head;       // [vocab_size, dim]
+  Linear head;       // [vocab_size, dim] (a rank's slice as embed's)
+  int64_t vocab0 = 0;  // the first token id of embed's and head's rows
+  // Slices copied out of the checkpoint (a row-parallel weight's columns are not contiguous in
+  // the file); the views above point into them.
+  std::vector<std::shared_ptr<std::vector<uint8_t>>> owned;
+};
+
+// The part of the model one process holds: rank `rank` of `size`, split as the reference splits
+// it (ParallelEmbedding, Column/RowParallelLinear, routed experts partitioned contiguously).
+struct Shard {
+  int rank = 0, size = 1;
 };
 
 // What kind of tensor an entry is: decides which dtypes are accepted.
@@ -90,9 +101,16 @@ struct WeightSpec {
 // points at its slot in it.
 std::vector<WeightSpec> weight_manifest(const ModelArgs& args, ModelWeights* w = nullptr);
 
-// Binds every manifest entry to the checkpoint's tensors (zero-copy), validating dtype, shape
-// and scale shape. Throws Error naming the tensor, the file and what was expected.
-ModelWeights load_weights(const Checkpoint& ck);
+// Binds every manifest entry to the checkpoint's tensors, validating dtype, shape and scale
+// shape. Throws Error naming the tensor, the file and what was expected. With several ranks, only
+// the shard's slices are bound: rows (split_axis 0) and whole tensors as zero-copy views into the
+// mmap, columns (split_axis 1) copied out; routed experts outside the shard's range stay empty. A
+// checkpoint in the reference's layout for `shard.size` ranks holds the slices already.
+ModelWeights load_weights(const Checkpoint& ck, const Shard& shard = {});
+
+// Whether `a` splits into `ranks` as the reference splits it: heads, routed experts, vocabulary
+// and the MLP widths divisible. Throws Error naming the number that does not divide.
+void check_shardable(const ModelArgs& a, int ranks);
 
 // Bytes one decode token reads at batch 1: attention + dense/shared weights + n_activated
 // routed experts per MoE layer + norms + the head + one embedding row, at stored width.

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <sstream>
 
 #include "core/error.h"
 #include "dist/comm.h"
@@ -11,9 +12,44 @@ namespace dsv3 {
 
 Model::Model(std::unique_ptr<Checkpoint> ck, std::unique_ptr<Backend> backend, const ModelOptions& opt)
     : ck_(std::move(ck)), be_(std::move(backend)), opt_(opt), args_(load_model_args(*ck_)) {
-  w_ = load_weights(*ck_);
+  if (ranks() > 1) {  // the same model everywhere: the leader's config, field by field
+    const std::string mine = describe(args_);
+    std::string lead = mine;
+    int64_t len = int64_t(lead.size());
+    opt_.comm->broadcast(&len, sizeof len, 0);
+    lead.resize(size_t(len));
+    opt_.comm->broadcast(lead.data(), lead.size(), 0);
+    std::string err;
+    if (lead != mine) {
+      err = str("rank ", rank(), ": its config (", ck_->config_path(), ") differs from rank 0's:");
+      std::istringstream a(mine), b(lead);
+      for (std::string la, lb; std::getline(a, la) && std::getline(b, lb);)
+        if (la != lb) err += str(" ", la, " (rank 0: ", lb.substr(lb.find(' ') + 1), ");");
+    }
+    agree(err, "its config check");
+  }
+  std::string err;
+  try {
+    w_ = load_weights(*ck_, {rank(), ranks()});
+  } catch (const Error& e) {
+    err = ranks() > 1 ? str("rank ", rank(), ": ", e.what()) : e.what();
+  }
+  agree(err, "loading its weights");
   be_->prepare_weights(args_, w_);
   init();
+}
+
+int Model::rank() const { return opt_.comm ? opt_.comm->rank() : 0; }
+int Model::ranks() const { return opt_.comm ? opt_.comm->size() : 1; }
+
+void Model::agree(const std::string& err, const char* what) {
+  if (ranks() == 1) {
+    if (!err.empty()) throw Error(err);
+    return;
+  }
+  if (opt_.comm->all_ok(err.empty())) return;
+  if (!err.empty()) throw Error(err);
+  fail("rank ", rank(), ": another rank failed at ", what, " (its message says why)");
 }
 
 Model::Model(const ModelArgs& args, ModelWeights w, std::unique_ptr<Backend> backend, const ModelOptions& opt)
@@ -22,12 +58,15 @@ Model::Model(const ModelArgs& args, ModelWeights w, std::unique_ptr<Backend> bac
 }
 
 void Model::init() {
+  local_ = args_;
+  local_.n_heads = args_.n_heads / ranks();
+  local_.inter_dim = args_.inter_dim / ranks();
   if (opt_.max_seqs <= 0) fail("max_seqs must be positive, got ", opt_.max_seqs);
   if (opt_.max_len <= 0 || opt_.max_len > args_.max_seq_len) opt_.max_len = args_.max_seq_len;
   if (opt_.kv_cache_gb < 0) fail("--kv-cache-gb must not be negative, got ", opt_.kv_cache_gb);
   KvCache::Options co;
   co.attn = opt_.attn, co.block = opt_.kv_block, co.max_len = opt_.max_len;
-  const int64_t per_block = KvCache::bytes_per_position(args_, opt_.attn) * co.block;
+  const int64_t per_block = KvCache::bytes_per_position(local_, opt_.attn) * co.block;
   const int64_t width = (opt_.max_len + co.block - 1) / co.block;
   if (opt_.kv_cache_gb > 0) {
     co.n_blocks = int64_t(opt_.kv_cache_gb * 1e9) / per_block;
@@ -39,7 +78,13 @@ void Model::init() {
     const int64_t free_bytes = be_->device_free_bytes();  // a device: at most 90% of what it has free
     if (free_bytes >= 0) co.n_blocks = std::max<int64_t>(1, std::min(co.n_blocks, free_bytes / 10 * 9 / per_block));
   }
-  cache_ = std::make_unique<KvCache>(args_, *be_, co);
+  if (ranks() > 1) {  // the followers' caches as the leader's: its block tables index them
+    int64_t geo[2] = {co.n_blocks, co.max_len};
+    opt_.comm->broadcast(geo, sizeof geo, 0);
+    co.n_blocks = geo[0], co.max_len = int(geo[1]);
+    opt_.max_len = co.max_len;
+  }
+  cache_ = std::make_unique<KvCache>(local_, *be_, co);
   rope_ = RopeTable(args_, opt_.max_len);
   const size_t rope_n = size_t(rope_.n_positions()) * size_t(2 * rope_.half());
   rope_dev_ = be_->alloc(rope_n);
@@ -47,16 +92,23 @@ void Model::init() {
 }
 
 Model::~Model() {
+  if (ranks() > 1 && leader()) {
+    try {
+      Step stop;
+      send_step(stop, false);  // (n = 0: the followers' loop ends)
+    } catch (...) {
+    }
+  }
   graphs_[0].clear(), graphs_[1].clear();
   cache_.reset();
-  for (float* p : {h_, x_, q_, qa_, kv_, attn_, y_, last_, logits_, rope_dev_})
+  for (float* p : {h_, x_, q_, qa_, kv_, attn_, y_, last_, logits_, part_logits_, rope_dev_})
     if (p) be_->release(p);
 }
 
 void Model::ensure_workspace(int64_t n, int64_t m) {
   if (n <= ws_tokens_ && m <= ws_rows_) return;
   graphs_[0].clear(), graphs_[1].clear();  // they point at the old buffers
-  const ModelArgs& a = args_;
+  const ModelArgs& a = local_;
   if (n > ws_tokens_) {
     for (float** p : {&h_, &x_, &q_, &qa_, &kv_, &attn_, &y_})
       if (*p) be_->release(*p), *p = nullptr;
@@ -70,11 +122,12 @@ void Model::ensure_workspace(int64_t n, int64_t m) {
     y_ = be_->alloc(size_t(n * a.dim));
   }
   if (m > ws_rows_) {
-    for (float** p : {&last_, &logits_})
+    for (float** p : {&last_, &logits_, &part_logits_})
       if (*p) be_->release(*p), *p = nullptr;
     ws_rows_ = m;
     last_ = be_->alloc(size_t(m * a.dim));
     logits_ = be_->alloc(size_t(m * a.vocab_size));
+    if (ranks() > 1) part_logits_ = be_->alloc(size_t(m * (a.vocab_size / ranks())));
   }
 }
 
@@ -111,9 +164,9 @@ struct Recorder {
 // logit rows. With several ranks, the collectives go where the reference's ParallelEmbedding,
 // RowParallelLinear (wo, w2), MoE and head put them.
 std::unique_ptr<StepGraph> Model::record(int64_t n, int64_t m) {
-  const ModelArgs& a = args_;
+  const ModelArgs& a = local_;  // (one rank's heads)
   auto g = std::make_unique<StepGraph>();
-  g->args = &args_, g->attn = opt_.attn, g->cache = &cache_->layers(), g->n = n, g->m = m;
+  g->args = &local_, g->attn = opt_.attn, g->cache = &cache_->layers(), g->n = n, g->m = m;
   g->rope = {rope_.at(0), rope_dev_, rope_.n_positions(), rope_.half()};
   Recorder r{*g};
   const int64_t D = a.dim;
@@ -126,8 +179,9 @@ std::unique_ptr<StepGraph> Model::record(int64_t n, int64_t m) {
   const int y = r.value("y", y_, n, D);                                               // [n, dim]
   Comm* comm = opt_.comm;
 
-  r.op(OpKind::kEmbed, "embed", -1, -1, h).weight = &w_.embed;
-  r.all_reduce(comm, h);  // vocab-parallel embedding
+  Op& embed = r.op(OpKind::kEmbed, "embed", -1, -1, h);
+  embed.weight = &w_.embed, embed.row0 = w_.vocab0;
+  r.all_reduce(comm, h);  // vocab-parallel embedding: each rank's rows, zeros elsewhere
   for (int l = 0; l < a.n_layers; ++l) {
     const LayerWeights& L = w_.layers[size_t(l)];
     r.layer = l;
@@ -159,7 +213,13 @@ std::unique_ptr<StepGraph> Model::record(int64_t n, int64_t m) {
     const int logits = r.value("logits", logits_, m, a.vocab_size);  // [m, vocab]
     r.op(OpKind::kGatherRows, "last", h, -1, last);
     r.rmsnorm("norm", last, w_.norm, a.rms_norm_eps, last);
-    r.linear("head", last, w_.head, logits);
+    if (ranks() == 1) {
+      r.linear("head", last, w_.head, logits);
+    } else {  // column-parallel head: this rank's slice of the vocabulary, then every rank's
+      const int part = r.value("part_logits", part_logits_, m, a.vocab_size / ranks());
+      r.linear("head", last, w_.head, part);
+      r.op(OpKind::kAllGather, "all_gather", part, -1, logits).comm = comm;
+    }
   }
   return g;
 }
@@ -204,6 +264,7 @@ bool Model::run(const Batch& b, int64_t limit, const Backend::SampleSpec* spec, 
   Step st;
   st.tokens = b.tokens, st.pos = b.pos, st.n = b.n, st.logit_rows = b.logit_rows.data(), st.m = m;
   st.kv = {table_.data(), int64_t(b.seqs.size()), width, cache_->block()};
+  if (ranks() > 1) send_step(st, !tap_);
   if (tap_) {
     be_->run(g, st, [&](int last_op) {
       const Op& op = g.ops[size_t(last_op)];
@@ -229,6 +290,40 @@ bool Model::run(const Batch& b, int64_t limit, const Backend::SampleSpec* spec, 
   if (ids && !spec && be_->argmax_rows(logits_, m, a.vocab_size, lim, ids)) return true;
   be_->download(logits, logits_, size_t(m * a.vocab_size));
   return false;
+}
+
+// The leader's step to the followers: [n, m, sequences, table width, fused] then the tokens, their
+// (sequence, position), the logit rows and the block tables, as int32. n = 0: stop.
+void Model::send_step(const Step& s, bool fused) {
+  int64_t head[5] = {s.n, s.m, s.kv.rows, s.kv.width, fused ? 1 : 0};
+  opt_.comm->broadcast(head, sizeof head, 0, /*wait=*/true);
+  if (s.n == 0) return;
+  std::vector<int32_t> body;
+  body.reserve(size_t(3 * s.n + s.m + s.kv.rows * s.kv.width));
+  body.insert(body.end(), s.tokens, s.tokens + s.n);
+  const int32_t* pos = reinterpret_cast<const int32_t*>(s.pos);
+  body.insert(body.end(), pos, pos + 2 * s.n);
+  for (int64_t r = 0; r < s.m; ++r) body.push_back(int32_t(s.logit_rows[r]));
+  body.insert(body.end(), s.kv.table, s.kv.table + s.kv.rows * s.kv.width);
+  opt_.comm->broadcast(body.data(), body.size() * sizeof(int32_t), 0);
+}
+
+void Model::follow() {
+  DSV3_CHECK(!leader(), "the leader does not follow");
+  for (;;) {
+    int64_t head[5] = {};
+    opt_.comm->broadcast(head, sizeof head, 0, /*wait=*/true);  // (the leader may wait for its user)
+    const int64_t n = head[0], m = head[1], rows = head[2], width = head[3];
+    if (n == 0) return;
+    std::vector<int32_t> body(size_t(3 * n + m + rows * width));
+    opt_.comm->broadcast(body.data(), body.size() * sizeof(int32_t), 0);
+    std::vector<int64_t> logit_rows(body.begin() + 3 * n, body.begin() + 3 * n + m);
+    Step st;
+    st.tokens = body.data(), st.pos = reinterpret_cast<const TokenPos*>(body.data() + n), st.n = n;
+    st.logit_rows = logit_rows.data(), st.m = m;
+    st.kv = {body.data() + 3 * n + m, rows, width, cache_->block()};
+    be_->run(graph(n, m, head[4] != 0), st);
+  }
 }
 
 void Model::forward(const Batch& b, float* logits) { run(b, 0, nullptr, nullptr, logits); }

@@ -28,20 +28,31 @@ struct ModelOptions {
   // backend has free. Running past it is an Error naming the positions asked and free.
   double kv_cache_gb = 0;
   int kv_block = 64;        // positions per cache block
-  Comm* comm = nullptr;     // the ranks the weights are split over; null: one process
+  Comm* comm = nullptr;     // the ranks the weights are split over (rank 0 leads); null: one process
   uint32_t rewrites = ~0u;  // the fusions (runtime/rewrites.h Rewrite bits) to run where the backend accepts
                             // them; 0: the recorded ops one by one
 };
 
 class Model {
  public:
+  // With several ranks (opt.comm), every rank constructs its Model together: they check that they
+  // run the same config, each loads its shard of the weights, and they agree on the KV cache's
+  // geometry; a rank that fails makes every rank fail, with that rank's message on its stderr.
   Model(std::unique_ptr<Checkpoint> ck, std::unique_ptr<Backend> backend, const ModelOptions& opt);
   // A model over weights already in the backend's memory (prepare_weights is not called), e.g.
   // random device weights for a benchmark. It has no checkpoint: checkpoint() is an error.
   Model(const ModelArgs& args, ModelWeights w, std::unique_ptr<Backend> backend, const ModelOptions& opt);
-  ~Model();
+  ~Model();  // the leader tells the followers to stop
   Model(const Model&) = delete;
   Model& operator=(const Model&) = delete;
+
+  // Several ranks: rank 0 (the leader) runs the commands, schedules and samples; every step it
+  // runs, it first sends to the others, which run it too (their shard of every op, the
+  // collectives between) inside follow() until the leader's Model is destroyed.
+  bool leader() const { return rank() == 0; }
+  int rank() const;
+  int ranks() const;
+  void follow();
 
   const ModelArgs& args() const { return args_; }
   const ModelWeights& weights() const { return w_; }
@@ -95,6 +106,10 @@ class Model {
 
  private:
   void init();
+  // With several ranks: whether every rank got here with `err` empty; else an Error (this rank's
+  // message, or that another rank failed at `what`).
+  void agree(const std::string& err, const char* what);
+  void send_step(const Step& s, bool fused);
   std::unique_ptr<StepGraph> record(int64_t n, int64_t m);
   void ensure_workspace(int64_t n, int64_t m);
   void check(const Batch& b) const;
@@ -104,6 +119,7 @@ class Model {
   std::unique_ptr<Backend> be_;
   ModelOptions opt_;
   ModelArgs args_;
+  ModelArgs local_;  // args_ as one rank's ops see them: its n_heads / ranks heads
   ModelWeights w_;
   RopeTable rope_;
   float* rope_dev_ = nullptr;  // rope_ in the backend's memory
@@ -115,6 +131,7 @@ class Model {
   int64_t ws_tokens_ = 0, ws_rows_ = 0;
   float *h_ = nullptr, *x_ = nullptr, *q_ = nullptr, *qa_ = nullptr, *kv_ = nullptr, *attn_ = nullptr,
         *y_ = nullptr, *last_ = nullptr, *logits_ = nullptr;
+  float* part_logits_ = nullptr;  // [rows, vocab / ranks]: this rank's head slice (several ranks)
 };
 
 }  // namespace dsv3

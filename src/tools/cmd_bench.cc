@@ -25,6 +25,7 @@
 #include "backend/cpu/floors.h"
 #include "core/error.h"
 #include "core/thread_pool.h"
+#include "dist/comm.h"
 #include "io/checkpoint.h"
 #include "runtime/generate.h"
 #include "runtime/model.h"
@@ -125,6 +126,7 @@ int run_bench(int argc, char** argv) {
             {"model", "config", "backend", "device", "batch", "prompt", "gen", "threads", "decode-ctx", "kv-cache-gb", "bw-gb",
              "seed", "attn", "synthetic", "dtype", "layers", "vocab"},
             {"json", "mlock"});
+  if (launched_by_mpi()) fail("dsv3 bench measures one process; run it without mpirun");
   if (args.has("model") == args.has("synthetic")) fail("give one of --model DIR or --synthetic SHAPE");
   if ((args.has("dtype") || args.has("layers") || args.has("vocab")) && !args.has("synthetic"))
     fail("--dtype, --layers and --vocab go with --synthetic (a checkpoint has its own)");

@@ -38,6 +38,7 @@ int run_chat(int argc, char** argv) {
   Args args(argc, argv,
             with_model_options(with_sampling_options({"system", "max-new-tokens", "tokenizer", "max-len"})),
             {});
+  if (follow_leader(args)) return 0;  // (under mpirun, ranks but 0)
   const SamplingParams sp = parse_sampling_options(args);
   std::string model_dir = args.require("model");
   std::string tdir = args.has("tokenizer") ? args.get("tokenizer") : find_tokenizer_dir(model_dir);

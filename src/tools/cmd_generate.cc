@@ -62,6 +62,7 @@ int run_generate(int argc, char** argv) {
             with_model_options(with_sampling_options(
                 {"input-file", "input-ids", "prompt", "max-new-tokens", "system", "tokenizer", "max-seqs"})),
             {"raw", "json", "ignore-eos"});
+  if (follow_leader(args)) return 0;  // (under mpirun, ranks but 0)
   int sources = args.has("input-file") + args.has("input-ids") + args.has("prompt");
   if (sources != 1) fail("give exactly one of --prompt TEXT, --input-file F, --input-ids F");
   const SamplingParams sp = parse_sampling_options(args);

@@ -64,6 +64,7 @@ std::vector<Call> read_calls(const std::string& path) {
 
 int run_logits(int argc, char** argv) {
   Args args(argc, argv, with_model_options({"calls", "out", "dump-taps"}));
+  if (follow_leader(args, "ref")) return 0;  // (under mpirun, ranks but 0)
   std::vector<Call> calls = read_calls(args.require("calls"));
   std::string out_path = args.require("out");
   int slots = 1, len = 1;

@@ -60,6 +60,7 @@ int run_serve(int argc, char** argv) {
   Args args(argc, argv,
             with_model_options({"host", "port", "api-key", "max-seqs", "max-queue", "served-model-name", "tokenizer",
                                 "max-model-len", "drain-timeout"}));
+  if (follow_leader(args)) return 0;  // (under mpirun, ranks but 0)
   // Every thread started from here on (the backend's, the engine's, httplib's) inherits this
   // mask, so SIGTERM and SIGINT reach only the thread that waits for them.
   sigset_t set;

@@ -5,6 +5,7 @@
 #include "backend/backend.h"
 #include "core/error.h"
 #include "core/thread_pool.h"
+#include "dist/comm.h"
 #include "io/checkpoint.h"
 
 namespace dsv3 {
@@ -31,15 +32,40 @@ LoadedModel load_model(const Args& args, int slots, int max_len, const std::stri
     if (t < 1 || t > 1024) fail("--threads must be in [1, 1024], got ", t);
     ThreadPool::set_global_threads(int(t));
   }
-  auto ck = Checkpoint::open(args.require("model"), args.get("config"));
+  // Under mpirun: every rank opens the checkpoint (its own file in the reference's layout for that
+  // many ranks); a rank that cannot makes them all stop, each saying which rank failed.
+  Comm& world = world_comm();
+  const std::string be = args.get("backend", backend.empty() ? default_backend() : backend);
+  std::unique_ptr<Checkpoint> ck;
+  std::string err;
+  try {
+    if (world.size() > 1 && be == "cuda")
+      fail("several ranks on the GPU need the NCCL communicator, which this build does not have yet; use --backend cpu");
+    ck = Checkpoint::open(args.require("model"), args.get("config"), world.rank(), world.size());
+    check_shardable(load_model_args(*ck), world.size());
+  } catch (const Error& e) {
+    err = e.what();
+  }
+  if (world.size() > 1 && !world.all_ok(err.empty()))
+    fail("rank ", world.rank(), " of ", world.size(), ": ",
+         err.empty() ? "another rank could not open the model (its message says why)" : err);
+  if (!err.empty()) throw Error(err);
   ModelOptions opt;
   opt.attn = parse_attn(args.get("attn", "absorb"));
   opt.max_seqs = std::max(1, slots);
   opt.max_len = std::min(max_len, load_model_args(*ck).max_seq_len);
   opt.kv_cache_gb = args.get_float("kv-cache-gb", 0);  // 0: sized for slots x max_len
+  opt.comm = world.size() > 1 ? &world : nullptr;
   LoadedModel lm;
-  lm.model = std::make_unique<Model>(std::move(ck), make_backend(args.get("backend", backend.empty() ? default_backend() : backend)), opt);
+  lm.model = std::make_unique<Model>(std::move(ck), make_backend(be), opt);
   return lm;
+}
+
+bool follow_leader(const Args& args, const std::string& backend) {
+  if (world_comm().rank() == 0) return false;
+  LoadedModel lm = load_model(args, 1, INT32_MAX, backend);  // (the leader's cache geometry replaces these)
+  lm.model->follow();
+  return true;
 }
 
 }  // namespace dsv3

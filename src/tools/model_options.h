@@ -22,4 +22,9 @@ struct LoadedModel {
 // --backend defaults to `backend` when given, else default_backend().
 LoadedModel load_model(const Args& args, int slots, int max_len, const std::string& backend = "");
 
+// Under mpirun, on every rank but 0: loads this rank's shard of --model and runs the steps rank 0
+// sends until it is done; true. On rank 0 (and without mpirun): false, nothing done. A command
+// that runs a model calls it first, so only rank 0 reads its input and writes its output.
+bool follow_leader(const Args& args, const std::string& backend = "");
+
 }  // namespace dsv3

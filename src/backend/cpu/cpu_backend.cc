@@ -148,10 +148,14 @@ class CpuBackend final : public Backend {
   void upload(float* dst, const float* host, size_t n) override { std::memcpy(dst, host, n * 4); }
   void download(float* host, const float* src, size_t n) override { std::memcpy(host, src, n * 4); }
 
-  void embed(const Step& s, const TensorView& table, float* y) override {
+  void embed(const Step& s, const TensorView& table, int64_t row0, float* y) override {
     OpTimer tm(prof_, "embed", s.n);
-    const int64_t d = table.dim(1);
-    for (int64_t i = 0; i < s.n; ++i) row_to_f32(table, s.tokens[i], d, y + i * d);
+    const int64_t d = table.dim(1), rows = table.dim(0);
+    for (int64_t i = 0; i < s.n; ++i) {
+      const int64_t r = s.tokens[i] - row0;
+      if (r >= 0 && r < rows) row_to_f32(table, r, d, y + i * d);
+      else std::fill(y + i * d, y + (i + 1) * d, 0.f);
+    }
   }
 
   void rmsnorm(const float* x, int64_t n, int64_t d, int64_t stride, const TensorView& w, float eps,
@@ -235,6 +239,7 @@ class CpuBackend final : public Backend {
     for (int64_t i = 0; i < n; ++i)
       for (int64_t k = 0; k < K; ++k) {
         const int32_t e = idx_[size_t(i * K + k)];
+        if (w.experts[size_t(e)].w1.weight.empty()) continue;  // another rank's expert (its share is summed there)
         if (expert_job_[size_t(e)] < 0) {
           expert_job_[size_t(e)] = njobs;
           ExpertJob& j = jobs_[size_t(njobs++)];

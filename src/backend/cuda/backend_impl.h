@@ -81,7 +81,7 @@ class CudaBackend final : public Backend {
   bool fuses(const StepGraph& g, Fusion f, int first, int count) const override;
   void run_fused(const StepGraph& g, const Step& s, const Node& nd) override;
   void gather_rows(const float* x, int64_t d, const int64_t* rows, int64_t m, float* y) override;
-  void embed(const Step& s, const TensorView& table, float* y) override;
+  void embed(const Step& s, const TensorView& table, int64_t row0, float* y) override;
   void rmsnorm(const float* x, int64_t n, int64_t d, int64_t stride, const TensorView& w, float eps,
                float* y) override;
   void add(float* y, const float* x, int64_t n) override;

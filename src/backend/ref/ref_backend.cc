@@ -31,9 +31,13 @@ class RefBackend final : public Backend {
   void upload(float* dst, const float* host, size_t n) override { std::memcpy(dst, host, n * 4); }
   void download(float* host, const float* src, size_t n) override { std::memcpy(host, src, n * 4); }
 
-  void embed(const Step& s, const TensorView& table, float* y) override {
-    const int64_t d = table.dim(1);
-    for (int64_t i = 0; i < s.n; ++i) tensor_row(table, s.tokens[i], d, y + i * d);
+  void embed(const Step& s, const TensorView& table, int64_t row0, float* y) override {
+    const int64_t d = table.dim(1), rows = table.dim(0);
+    for (int64_t i = 0; i < s.n; ++i) {
+      const int64_t r = s.tokens[i] - row0;
+      if (r >= 0 && r < rows) tensor_row(table, r, d, y + i * d);
+      else std::fill(y + i * d, y + (i + 1) * d, 0.f);
+    }
   }
 
   void rmsnorm(const float* x, int64_t n, int64_t d, int64_t stride, const TensorView& w, float eps,
@@ -182,6 +186,7 @@ class RefBackend final : public Backend {
     // Routed experts, as the reference's loop: gather the expert's tokens, run it, scatter-add.
     std::vector<float> routed(size_t(n * D), 0.f);
     for (int64_t e = 0; e < E; ++e) {
+      if (w.experts[size_t(e)].w1.weight.empty()) continue;  // another rank's expert (its share is summed there)
       std::vector<int64_t> rows;
       std::vector<float> rw;
       for (int64_t i = 0; i < n; ++i)
