@@ -122,6 +122,36 @@ TEST(Mpi, GoldenLogitsOverTwoAndFourRanksEqualOneProcess) {
     }
 }
 
+// The reference's converted layout for N ranks (dsv3 convert --model-parallel N), each rank
+// reading only its own file: the one-process logits of the Hugging Face layout.
+TEST(Mpi, ConvertedFilesForNRanksGiveOneProcessLogits) {
+  REQUIRE_MPI();
+  for (const std::string c : {"v2lite_bf16", "v2_groups_bf16"}) {
+    const std::string one = logits(c, "absorb", "");
+    SafetensorsFile want(one);
+    for (int np : {2, 4}) {
+      const std::string dir = tmp_path("mpi_conv_" + c + std::to_string(np));
+      std::filesystem::remove_all(dir);
+      const int experts = c == "v2lite_bf16" ? 8 : 16;
+      Shell r = sh(std::string(DSV3_BINARY) + " convert --hf-ckpt-path " + case_dir(c) + "/hf --save-path " + dir +
+                   " --n-experts " + std::to_string(experts) + " --model-parallel " + std::to_string(np));
+      ASSERT_EQ(r.rc, 0) << r.err;
+      const std::string out = tmp_path("mpi_conv_out.safetensors");
+      r = sh(mpirun(np) + DSV3_BINARY + " logits --model " + dir + " --config " + case_dir(c) +
+             "/ref_config.json --calls " + case_dir(c) + "/golden.safetensors --out " + out + " --threads 1 >/dev/null");
+      ASSERT_EQ(r.rc, 0) << r.err;
+      SafetensorsFile got(out);
+      for (auto& [name, e] : want.entries()) {
+        TensorView a = got.get(name), b = want.get(name);
+        EXPECT_LE(rel_l2(a.as<float>(), b.as<float>(), size_t(a.numel())), 1e-5) << c << " " << np << " " << name;
+      }
+      std::filesystem::remove_all(dir);
+      std::remove(out.c_str());
+    }
+    std::remove(one.c_str());
+  }
+}
+
 TEST(Mpi, GreedyGenerationOverTwoRanksGivesOneProcessIds) {
   REQUIRE_MPI();
   const std::string ids = tmp_path("mpi_prompts.txt");
