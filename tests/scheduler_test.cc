@@ -339,3 +339,43 @@ TEST(Scheduler, RefusesRequestsThatCannotRun) {
 
 }  // namespace
 }  // namespace dsv3
+
+// dsv3 bench --concurrency: the scheduler measured offline, vLLM's serving metrics as JSON.
+#include <cstdlib>
+#include <fstream>
+#include <nlohmann/json.hpp>
+
+namespace dsv3 {
+namespace {
+
+TEST(ServingBench, ReportsEveryLevelWithExactOutputsAndThePrefixCache) {
+  const std::string out = testing_util::tmp_path("serving_bench.json");
+  const std::string cmd = std::string(DSV3_BINARY) + " bench --model " + case_dir("v3_fp8") +
+                          "/hf --concurrency 1,4 --requests 6 --input-len 20 --output-len 5 --shared-prefix 64 "
+                          "--threads 2 --json >" + out + " 2>/dev/null";
+  ASSERT_EQ(std::system(cmd.c_str()), 0) << cmd;
+  std::ifstream f(out);
+  const nlohmann::json all = nlohmann::json::parse(f);
+  ASSERT_EQ(all.size(), 2u);
+  for (size_t i = 0; i < 2; ++i) {
+    const nlohmann::json& r = all[i];
+    EXPECT_EQ(r["concurrency"].get<int>(), i == 0 ? 1 : 4);
+    EXPECT_EQ(r["completed"].get<int>(), 6);
+    EXPECT_EQ(r["failed"].get<int>(), 0);
+    EXPECT_EQ(r["total_output_tokens"].get<int>(), 6 * 5);
+    EXPECT_GT(r["output_throughput"].get<double>(), 0);
+    for (const char* k : {"ttft", "tpot", "itl", "e2el"})
+      for (const char* p : {"mean_ms", "p50_ms", "p90_ms", "p99_ms"}) EXPECT_GT(r[k][p].get<double>(), 0) << k << " " << p;
+    EXPECT_LE(r["ttft"]["p50_ms"].get<double>(), r["ttft"]["p99_ms"].get<double>());
+    EXPECT_GT(r["kv_blocks_peak"].get<int>(), 0);
+    // The 64-token prefix every prompt shares comes from the cache once published.
+    EXPECT_GT(r["prefix_cache_hit_rate"].get<double>(), 0.5);
+  }
+  std::remove(out.c_str());
+  const std::string bad = std::string(DSV3_BINARY) + " bench --model " + case_dir("v3_fp8") +
+                          "/hf --concurrency 0 >/dev/null 2>&1";
+  EXPECT_NE(std::system(bad.c_str()), 0);
+}
+
+}  // namespace
+}  // namespace dsv3

@@ -29,7 +29,7 @@
 #include "io/checkpoint.h"
 #include "runtime/generate.h"
 #include "runtime/model.h"
-#include "model/shapes.h"
+#include "tools/bench_model.h"
 #include "model/weights.h"
 #include "tools/anchors_h200.h"
 #include "tools/command.h"
@@ -124,12 +124,11 @@ std::string anchor_ratios(double tok_s, double ref, double hf) {
 int run_bench(int argc, char** argv) {
   Args args(argc, argv,
             {"model", "config", "backend", "device", "batch", "prompt", "gen", "threads", "decode-ctx", "kv-cache-gb", "bw-gb",
-             "seed", "attn", "synthetic", "dtype", "layers", "vocab"},
+             "seed", "attn", "synthetic", "dtype", "layers", "vocab", "concurrency", "input-len", "output-len", "requests",
+             "request-rate", "max-step-tokens", "shared-prefix"},
             {"json", "mlock"});
   if (launched_by_mpi()) fail("dsv3 bench measures one process; run it without mpirun");
-  if (args.has("model") == args.has("synthetic")) fail("give one of --model DIR or --synthetic SHAPE");
-  if ((args.has("dtype") || args.has("layers") || args.has("vocab")) && !args.has("synthetic"))
-    fail("--dtype, --layers and --vocab go with --synthetic (a checkpoint has its own)");
+  if (args.has("concurrency")) return run_serving_bench(args);
   const bool json = args.has("json");
   FILE* out = json ? stderr : stdout;
   if (args.has("threads")) {
@@ -182,21 +181,10 @@ int run_bench(int argc, char** argv) {
   }
 
   // 2. The model: a checkpoint, or random weights of a named shape made in the GPU's memory.
-  std::unique_ptr<Checkpoint> ck;
-  ModelArgs a;
-  const std::string what = args.has("model") ? args.get("model") : "synthetic " + args.get("synthetic");
-  if (args.has("model")) {
-    ck = Checkpoint::open(args.get("model"), args.get("config"));
-    a = load_model_args(*ck);
-  } else {
-    if (!gpu) fail("--synthetic makes its weights on the GPU: give --device cuda (or a checkpoint from dsv3 synth)");
-    a = shape_args(args.get("synthetic"), args.get("dtype"), int(args.get_int("layers", 0)));
-    if (args.has("vocab")) {  // e.g. 102400: the reference's configs/config_16B.json (its speed anchors)
-      const long v = args.get_int("vocab", 0);
-      if (v < 1 || v > (1 << 24)) fail("--vocab must be in [1, 16777216], got ", v);
-      a.vocab_size = int(v);
-    }
-  }
+  BenchSource src = bench_source(args, gpu);
+  std::unique_ptr<Checkpoint>& ck = src.ck;
+  const ModelArgs a = src.args;
+  const std::string& what = src.what;
   bool locked = false;
   if (args.has("mlock") && ck) {
     locked = ck->lock_memory();
@@ -209,16 +197,7 @@ int run_bench(int argc, char** argv) {
   opt.max_len = int(std::min<long>(a.max_seq_len, std::max(prompt, ctx + gen + 1)));
   opt.kv_cache_gb = args.get_float("kv-cache-gb", 0);
   const double t_load = now();
-  std::unique_ptr<Model> mp;
-  if (ck) {
-    mp = std::make_unique<Model>(std::move(ck), make_backend(backend), opt);
-  } else {
-#ifdef DSV3_HAVE_CUDA
-    auto be = make_backend("cuda");
-    ModelWeights rw = cuda::random_weights(*be, a, uint64_t(args.get_int("seed", 1)));
-    mp = std::make_unique<Model>(a, std::move(rw), std::move(be), opt);
-#endif
-  }
+  std::unique_ptr<Model> mp = bench_model(src, backend, opt, uint64_t(args.get_int("seed", 1)));
   Model& model = *mp;
   const ModelWeights& w = model.weights();
   const WeightStats st = weight_stats(a, w);

@@ -19,6 +19,7 @@
 #include "core/error.h"
 #include "server/api_client.h"
 #include "tools/command.h"
+#include "tools/serving_report.h"
 
 namespace dsv3 {
 namespace {
@@ -29,29 +30,18 @@ using Clock = std::chrono::steady_clock;
 // Random prompt ids come from this range: ordinary tokens in every DeepSeek vocabulary.
 constexpr int32_t kFirstId = 1000, kLastId = 32000;
 
-struct Outcome {
-  bool ok = false;
-  std::string error;          // the kind, when !ok
-  double ttft = 0, e2e = 0;   // seconds
-  int output_tokens = 0;
-  std::vector<double> itl;    // seconds between successive chunks with text
-};
-
-struct Config {
+struct Config : ServingLoad {
   std::string url, api_key, model;
-  int concurrency = 1, requests = 1, input_len = 0, output_len = 0;
-  double rate = INFINITY;  // requests per second
-  uint64_t seed = 0;
 };
 
 double seconds(Clock::duration d) { return std::chrono::duration<double>(d).count(); }
 
 // One streamed request; times are taken as each event arrives.
-Outcome run_one(server::ApiClient& cli, const Config& c, const std::vector<int32_t>& prompt) {
+RequestTiming run_one(server::ApiClient& cli, const Config& c, const std::vector<int32_t>& prompt) {
   const json body = {{"model", c.model},   {"prompt", prompt},      {"max_tokens", c.output_len},
                      {"ignore_eos", true}, {"temperature", 0},      {"stream", true},
                      {"stream_options", {{"include_usage", true}}}};
-  Outcome o;
+  RequestTiming o;
   const Clock::time_point start = Clock::now();
   Clock::time_point last = start;
   bool first = true;
@@ -87,25 +77,6 @@ Outcome run_one(server::ApiClient& cli, const Config& c, const std::vector<int32
   return o;
 }
 
-// numpy.percentile's default (linear between the closest ranks).
-double percentile(std::vector<double> v, double p) {
-  if (v.empty()) return 0;
-  std::sort(v.begin(), v.end());
-  const double rank = p / 100 * double(v.size() - 1);
-  const size_t lo = size_t(std::floor(rank)), hi = std::min(lo + 1, v.size() - 1);
-  return v[lo] + (v[hi] - v[lo]) * (rank - double(lo));
-}
-
-json summary(const std::vector<double>& v) {  // milliseconds
-  double mean = 0;
-  for (double x : v) mean += x;
-  if (!v.empty()) mean /= double(v.size());
-  return {{"mean_ms", mean * 1e3},
-          {"p50_ms", percentile(v, 50) * 1e3},
-          {"p90_ms", percentile(v, 90) * 1e3},
-          {"p99_ms", percentile(v, 99) * 1e3}};
-}
-
 // The served model's name and context, from GET /v1/models.
 void probe(Config& c) {
   server::ApiClient cli(c.url, c.api_key, 30);
@@ -122,16 +93,9 @@ void probe(Config& c) {
 }
 
 json run_bench(const Config& c) {
-  std::mt19937_64 rng(c.seed);
-  std::uniform_int_distribution<int32_t> id(kFirstId, kLastId - 1);
-  std::vector<std::vector<int32_t>> prompts(size_t(c.requests));
-  for (auto& p : prompts)
-    for (int i = 0; i < c.input_len; ++i) p.push_back(id(rng));
-  std::vector<double> arrival(size_t(c.requests), 0.0);  // seconds after the start
-  std::exponential_distribution<double> gap(std::isfinite(c.rate) ? c.rate : 1.0);
-  for (size_t i = 1; i < arrival.size(); ++i) arrival[i] = std::isfinite(c.rate) ? arrival[i - 1] + gap(rng) : 0.0;
-
-  std::vector<Outcome> out(size_t(c.requests));
+  const std::vector<std::vector<int32_t>> prompts = random_prompts(c, kFirstId, kLastId);
+  const std::vector<double> arrival = arrival_times(c);  // seconds after the start
+  std::vector<RequestTiming> out(size_t(c.requests));
   std::atomic<int> next{0};
   const Clock::time_point start = Clock::now();
   std::vector<std::thread> workers;
@@ -146,74 +110,9 @@ json run_bench(const Config& c) {
     });
   }
   for (auto& t : workers) t.join();
-  const double duration = seconds(Clock::now() - start);
-
-  std::vector<double> ttft, tpot, itl, e2e;
-  std::map<std::string, int> errors;
-  int ok = 0;
-  int64_t output_tokens = 0;
-  for (const Outcome& o : out) {
-    if (!o.ok) {
-      errors[o.error]++;
-      continue;
-    }
-    ++ok;
-    output_tokens += o.output_tokens;
-    ttft.push_back(o.ttft);
-    e2e.push_back(o.e2e);
-    if (o.output_tokens > 1) tpot.push_back((o.e2e - o.ttft) / double(o.output_tokens - 1));
-    itl.insert(itl.end(), o.itl.begin(), o.itl.end());
-  }
-  const int64_t input_tokens = int64_t(ok) * c.input_len;
-  return {{"url", c.url},
-          {"model", c.model},
-          {"concurrency", c.concurrency},
-          {"request_rate", std::isfinite(c.rate) ? json(c.rate) : json("inf")},
-          {"input_len", c.input_len},
-          {"output_len", c.output_len},
-          {"completed", ok},
-          {"failed", c.requests - ok},
-          {"errors", errors},
-          {"duration_s", duration},
-          {"total_input_tokens", input_tokens},
-          {"total_output_tokens", output_tokens},
-          {"request_throughput", double(ok) / duration},
-          {"output_throughput", double(output_tokens) / duration},
-          {"total_token_throughput", double(input_tokens + output_tokens) / duration},
-          {"ttft", summary(ttft)},
-          {"tpot", summary(tpot)},
-          {"itl", summary(itl)},
-          {"e2el", summary(e2e)}};
-}
-
-void print_report(const json& r) {
-  auto row = [](const char* name, const std::string& v) { std::printf("%-40s %s\n", name, v.c_str()); };
-  auto num = [](double v, int digits) {
-    char b[64];
-    std::snprintf(b, sizeof b, "%.*f", digits, v);
-    return std::string(b);
-  };
-  std::printf("============ Serving Benchmark Result ============\n");
-  row("Successful requests:", std::to_string(r["completed"].get<int>()));
-  row("Failed requests:", std::to_string(r["failed"].get<int>()));
-  for (auto& [kind, n] : r["errors"].items()) row(("  " + kind + ":").c_str(), std::to_string(n.get<int>()));
-  row("Benchmark duration (s):", num(r["duration_s"], 2));
-  row("Total input tokens:", std::to_string(r["total_input_tokens"].get<int64_t>()));
-  row("Total generated tokens:", std::to_string(r["total_output_tokens"].get<int64_t>()));
-  row("Request throughput (req/s):", num(r["request_throughput"], 2));
-  row("Output token throughput (tok/s):", num(r["output_throughput"], 2));
-  row("Total token throughput (tok/s):", num(r["total_token_throughput"], 2));
-  const std::pair<const char*, const char*> parts[] = {
-      {"ttft", "Time to First Token"}, {"tpot", "Time per Output Token (excl. 1st token)"},
-      {"itl", "Inter-token Latency"}, {"e2el", "End-to-end Latency"}};
-  for (auto& [key, title] : parts) {
-    std::printf("%s\n", (std::string("---- ") + title + " ").append(std::max<int>(0, 46 - int(std::string(title).size())), '-').c_str());
-    for (const char* stat : {"mean", "p50", "p90", "p99"}) {
-      const std::string label = std::string(stat) + " " + key + " (ms):";
-      row(label.c_str(), num(r[key][std::string(stat) + "_ms"], 2));
-    }
-  }
-  std::printf("==================================================\n");
+  json r = serving_report(c, out, seconds(Clock::now() - start));
+  r["url"] = c.url, r["model"] = c.model;
+  return r;
 }
 
 int run_bench_serve(int argc, char** argv) {
@@ -240,7 +139,7 @@ int run_bench_serve(int argc, char** argv) {
   probe(c);
   json report = run_bench(c);
   if (args.has("json")) std::printf("%s\n", report.dump(2).c_str());
-  else print_report(report);
+  else print_serving_report(report);
   return report["failed"].get<int>() == 0 ? 0 : 1;
 }
 
