@@ -56,7 +56,7 @@ g++ --version | head -1 | tee -a "$OUT/summary.txt"
 CXXFLAGS="-std=c++20 -O2 -g -DDSV3_HAVE_CUDA -I$ROOT/src -I$DEPS/include -I$DEPS/gtest/include -I/usr/local/cuda/include"
 NVFLAGS="-std=c++17 -O3 -lineinfo -DDSV3_HAVE_CUDA -I$ROOT/src -gencode=arch=compute_90a,code=sm_90a -Xptxas -v"
 SRCS="src/core/*.cc src/io/mmap_file.cc src/io/safetensors.cc src/io/safetensors_writer.cc src/io/checkpoint.cc src/model/*.cc
-      src/backend/backend.cc src/backend/ref/*.cc src/backend/cuda/*.cc src/dist/*.cc src/runtime/*.cc"
+      src/backend/backend.cc src/backend/ref/*.cc src/backend/cuda/*.cc src/dist/comm.cc src/runtime/*.cc"
 log "build"
 t0=$(date +%s)
 JOBS=${JOBS:-$(nproc)}
@@ -76,7 +76,8 @@ compile bench/cuda_bench.cc "$B/bench.o" g++ $CXXFLAGS -Ibench
 compile bench/cublaslt_fp8_bench.cc "$B/ltbench.o" g++ $CXXFLAGS -Ibench
 if [ "${CLI:-0}" = 1 ]; then  # the dsv3 binary with the bench command only (for --device cuda)
   mkdir -p "$B/cli"
-  for s in src/backend/registry.cc src/backend/cpu/*.cc src/tools/main.cc src/tools/cmd_bench.cc src/tools/model_options.cc; do
+  for s in src/backend/registry.cc src/backend/cpu/*.cc src/tools/main.cc src/tools/cmd_bench.cc src/tools/model_options.cc \
+           src/tools/bench_model.cc src/tools/bench_serving.cc src/tools/serving_report.cc; do
     compile "$s" "$B/cli/$(echo "$s" | tr / _).o" g++ $CXXFLAGS
   done
 fi
