@@ -6,7 +6,11 @@
 
 #include <gtest/gtest.h>
 
+#include <nlohmann/json.hpp>
+
 #include <atomic>
+#include <filesystem>
+#include <fstream>
 #include <map>
 #include <random>
 #include <string>
@@ -23,6 +27,7 @@ namespace dsv3 {
 namespace {
 
 using testing_util::case_dir;
+using testing_util::tmp_path;
 
 std::unique_ptr<Model> make_model(const std::string& backend, int kv_block = 8, double kv_gb = 0,
                                   int max_seqs = 32) {
@@ -217,6 +222,53 @@ TEST(Scheduler, CancellationReturnsEveryBlock) {
   EXPECT_EQ(m->kv_cache().used_blocks(), 0);
   EXPECT_FALSE(s.step());
   for (uint64_t id : ids) EXPECT_EQ(c.got[id].events_after_finish, 0);
+}
+
+// A step that fails (here: a checkpoint whose head row 0 is NaN, so every logit row has a NaN and
+// sampling refuses it) ends each request in that step with the error, exactly once; nothing stays
+// held, and the scheduler goes on (the next request fails the same way instead of hanging).
+TEST(Scheduler, AFailedStepEndsItsRequestsWithTheErrorAndHoldsNothing) {
+  const std::string dir = tmp_path("sched_nan_head");
+  std::filesystem::remove_all(dir);
+  std::filesystem::create_directories(dir);
+  const std::string src = case_dir("v2lite_bf16") + "/hf";
+  std::filesystem::copy_file(src + "/config.json", dir + "/config.json");
+  std::filesystem::copy_file(src + "/model.safetensors", dir + "/model.safetensors");
+  {
+    std::fstream f(dir + "/model.safetensors", std::ios::in | std::ios::out | std::ios::binary);
+    uint64_t hlen = 0;
+    f.read(reinterpret_cast<char*>(&hlen), 8);
+    std::string header(hlen, '\0');
+    f.read(header.data(), std::streamsize(hlen));
+    const auto h = nlohmann::json::parse(header);
+    ASSERT_EQ(h.at("lm_head.weight").at("dtype"), "BF16");
+    const uint64_t at = 8 + hlen + h.at("lm_head.weight").at("data_offsets")[0].get<uint64_t>();
+    const uint16_t nan = 0x7FC0;
+    f.seekp(std::streamoff(at));
+    f.write(reinterpret_cast<const char*>(&nan), 2);
+  }
+  ModelOptions mo;
+  mo.max_seqs = 4, mo.max_len = 256, mo.kv_block = 8;
+  Model m(Checkpoint::open(dir), make_backend("ref"), mo);
+  const int V = m.args().vocab_size;
+  Scheduler s(m, SchedulerOptions{});
+  Collector c;
+  std::vector<uint64_t> ids;
+  for (int i = 0; i < 3; ++i) ids.push_back(s.submit(greedy(prompt_of(5 + 7 * i, uint32_t(i), V), 4), c.fn()));
+  s.run_until_idle();
+  ids.push_back(s.submit(greedy({5, 6, 7}, 4), c.fn()));
+  s.run_until_idle();
+  for (uint64_t id : ids) {
+    const Got& g = c.got[id];
+    EXPECT_EQ(g.finish, Finish::kError) << id;
+    EXPECT_NE(g.error.find("logit of token 0 is"), std::string::npos) << g.error;
+    EXPECT_NE(g.error.find("nan"), std::string::npos) << g.error;
+    EXPECT_TRUE(g.ids.empty()) << id;
+    EXPECT_EQ(g.events_after_finish, 0) << id;
+  }
+  EXPECT_EQ(m.kv_cache().used_blocks(), 0);
+  EXPECT_EQ(s.stats().running, 0);
+  EXPECT_FALSE(s.step());
 }
 
 // 1,000 short requests, sampled and greedy, some with stop ids, cancels at random moments (of

@@ -43,7 +43,10 @@ Scheduler::~Scheduler() {
 }
 
 int Scheduler::max_context() const { return model_.max_len(); }
-int Scheduler::vocab_size() const { return opt_.vocab_limit > 0 ? opt_.vocab_limit : model_.args().vocab_size; }
+int Scheduler::vocab_size() const {
+  const int V = model_.args().vocab_size;
+  return opt_.vocab_limit > 0 ? std::min(opt_.vocab_limit, V) : V;
+}
 
 uint64_t Scheduler::submit(EngineRequest req, StreamFn on_event) {
   const int V = vocab_size();  // (ids past the tokenizer's are the checkpoint's padding rows)
@@ -251,16 +254,15 @@ bool Scheduler::step() {
       sample_rows(rows, batch);
       for (const Work& w : plan) w.s->computed += w.n;
     } catch (const Error& e) {
-      for (const Work& w : plan) finish(*w.s, Finish::kError, e.what());
-      rows.clear();
+      for (const Work& w : plan) finish(*w.s, Finish::kError, e.what());  // (frees every w.s)
+      plan.clear(), rows.clear();
     }
     {
       std::lock_guard<std::mutex> lk(mu_);
       for (const Work& w : plan)
         if (w.s->generated == 0 && w.s->computed <= w.s->prompt) stats_.prompt_tokens += w.n;
     }
-    for (const Work& w : plan)
-      if (seqs_.count(w.s->id)) publish_full_blocks(*w.s);
+    for (const Work& w : plan) publish_full_blocks(*w.s);
     for (size_t r = 0; r < rows.size(); ++r) emit_token(*rows[r], row_ids_[r], row_logits_[r]);
   }
   std::lock_guard<std::mutex> lk(mu_);
