@@ -236,14 +236,21 @@ TEST(CudaOps, Embed) {
     ModelWeights w;
     w.embed = table;
     cuda->prepare_weights(ModelArgs{}, w);
-    const std::vector<int32_t> tok = {3, 0, 49, 17, 17, 8, 21};
+    // The whole table, and the table as a rank's slice of the vocabulary [20, 70): tokens
+    // outside the rows give zero rows.
+    const std::vector<int32_t> tok = {3, 0, 49, 17, 17, 8, 21, 69, 75};
     Step st;
     st.tokens = tok.data(), st.n = int64_t(tok.size());
-    Dev y(*cuda, tok.size() * 72);
-    cuda->embed(st, w.embed, 0, y.p);
-    std::vector<float> want(tok.size() * 72);
-    make_ref_backend()->embed(st, table, 0, want.data());
-    EXPECT_EQ(max_abs_diff(y.get(), want), 0.0);
+    for (int64_t row0 : {0, 20}) {
+      Dev y(*cuda, tok.size() * 72);
+      cuda->embed(st, w.embed, row0, y.p);
+      std::vector<float> want(tok.size() * 72);
+      make_ref_backend()->embed(st, table, row0, want.data());
+      EXPECT_EQ(max_abs_diff(y.get(), want), 0.0) << row0;
+      const std::vector<float> got = y.get();
+      EXPECT_EQ(got[1 * 72 + 5], row0 == 0 ? want[1 * 72 + 5] : 0.f);  // token 0: in the first slice only
+      EXPECT_NE(got[6 * 72 + 5], 0.f);                                  // token 21: in both
+    }
   }
 }
 

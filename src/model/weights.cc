@@ -82,6 +82,19 @@ void check_shardable(const ModelArgs& a, int ranks) {
   if (a.n_shared_experts > 0) need(int64_t(a.n_shared_experts) * a.moe_inter_dim, "n_shared_experts x moe_intermediate_size");
 }
 
+bool shard_shape(const WeightSpec& s, const ModelArgs& a, const Shard& shard, std::vector<int64_t>* shape) {
+  const int P = std::max(shard.size, 1);
+  const int64_t E_local = a.n_routed_experts / P, e0 = shard.rank * E_local;
+  if (s.expert >= 0 && P > 1 && (s.expert < e0 || s.expert >= e0 + E_local)) return false;
+  *shape = s.shape;
+  if (P > 1 && s.split_axis >= 0) (*shape)[size_t(s.split_axis)] /= P;
+  return true;
+}
+
+int64_t shard_vocab0(const ModelArgs& a, const Shard& shard) {
+  return shard.size > 1 ? int64_t(shard.rank) * (a.vocab_size / shard.size) : 0;
+}
+
 namespace {
 
 // Whether rows or columns [i0, i0 + n) of a block-scaled weight keep its 128-wide blocks: every
@@ -142,13 +155,11 @@ ModelWeights load_weights(const Checkpoint& ck, const Shard& shard) {
   check_shardable(a, P);
   // The reference's converted files for P ranks hold each rank's slices already.
   const bool presliced = P > 1 && ck.layout() == "reference";
-  const int64_t E_local = a.n_routed_experts / std::max(P, 1), e0 = shard.rank * E_local;
   ModelWeights w;
   for (const WeightSpec& s : weight_manifest(a, &w)) {
-    if (s.expert >= 0 && P > 1 && (s.expert < e0 || s.expert >= e0 + E_local)) continue;  // another rank's
+    std::vector<int64_t> want;
+    if (!shard_shape(s, a, shard, &want)) continue;  // another rank's expert
     const int split = P > 1 ? s.split_axis : -1;
-    std::vector<int64_t> want = s.shape;
-    if (split >= 0) want[size_t(split)] /= P;
     std::string tname = s.tensor_name();
     if (!ck.has(tname)) {
       if (s.optional) continue;
@@ -196,7 +207,7 @@ ModelWeights load_weights(const Checkpoint& ck, const Shard& shard) {
       *s.tensor = slice(t, i0, n);
     }
   }
-  if (P > 1) w.vocab0 = int64_t(shard.rank) * (a.vocab_size / P);
+  w.vocab0 = shard_vocab0(a, shard);
   return w;
 }
 

@@ -101,6 +101,12 @@ struct WeightSpec {
 // points at its slot in it.
 std::vector<WeightSpec> weight_manifest(const ModelArgs& args, ModelWeights* w = nullptr);
 
+// The part of manifest entry `s` that `shard` holds: false for another rank's routed expert; else
+// true, and `shape` is its slice (split_axis divided by the ranks).
+bool shard_shape(const WeightSpec& s, const ModelArgs& a, const Shard& shard, std::vector<int64_t>* shape);
+// The first token id of a shard's embedding and head rows.
+int64_t shard_vocab0(const ModelArgs& a, const Shard& shard);
+
 // Binds every manifest entry to the checkpoint's tensors, validating dtype, shape and scale
 // shape. Throws Error naming the tensor, the file and what was expected. With several ranks, only
 // the shard's slices are bound: rows (split_axis 0) and whole tensors as zero-copy views into the

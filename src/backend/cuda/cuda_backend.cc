@@ -477,8 +477,9 @@ void CudaBackend::gather_rows(const float* x, int64_t d, const int64_t* rows, in
 }
 
 void CudaBackend::embed(const Step& s, const TensorView& table, int64_t row0, float* y) {
-  DSV3_CHECK(row0 == 0, "CUDA backend: a slice of the vocabulary (several ranks) is not supported yet");
-  cuda::embed(L_, step_tok(s), s.n, table.data, wtype_of(table.dtype), table.dim(1), y);
+  cuda::EmbedTable t;
+  t.data = table.data, t.type = wtype_of(table.dtype), t.row0 = row0, t.rows = table.dim(0), t.d = table.dim(1);
+  cuda::embed(L_, step_tok(s), s.n, t, y);
 }
 
 void CudaBackend::rmsnorm(const float* x, int64_t n, int64_t d, int64_t stride, const TensorView& w, float eps,

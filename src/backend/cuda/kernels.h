@@ -73,8 +73,15 @@ void check(cudaError_t e, const char* what, const char* file, int line);
 #define DSV3_CUDA_CHECK(call) ::dsv3::cuda::check((call), #call, __FILE__, __LINE__)
 
 // ---- elementwise (kernels_basic.cu)
-// y[i, :] = table[tok[i], :] as float; table [*, d] of type tt (kBF16 or kF32).
-void embed(const Launch& L, const int32_t* tok, int64_t n, const void* table, int32_t tt, int64_t d, float* y);
+// An embedding table's rows [row0, row0 + rows) (a rank's slice of the vocabulary), [rows, d] of
+// type `type` (kBF16 or kF32).
+struct EmbedTable {
+  const void* data = nullptr;
+  int32_t type = kBF16;
+  int64_t row0 = 0, rows = 0, d = 0;
+};
+// y[i, :] = table[tok[i] - row0, :] as float; zeros for a token outside the table's rows.
+void embed(const Launch& L, const int32_t* tok, int64_t n, const EmbedTable& table, float* y);
 // y[i, :d] = x[i, :d] / rms * w; rows `stride` apart; y may alias x.
 void rmsnorm(const Launch& L, const float* x, int64_t n, int64_t d, int64_t stride, const float* w, float eps,
              float* y);

@@ -14,18 +14,19 @@ void check(cudaError_t e, const char* what, const char* file, int line) {
 
 namespace {
 
-__global__ void embed_kernel(const int32_t* __restrict__ tok, const void* __restrict__ table, int32_t tt, int64_t d,
-                             float* __restrict__ y) {
+__global__ void embed_kernel(const int32_t* __restrict__ tok, EmbedTable t, float* __restrict__ y) {
   pdl_wait();
   pdl_trigger();
-  const int64_t i = blockIdx.x, row = tok[i];
+  const int64_t i = blockIdx.x, row = int64_t(tok[i]) - t.row0, d = t.d;
   float* yi = y + i * d;
-  if (tt == kBF16) {
-    const uint16_t* t = static_cast<const uint16_t*>(table) + row * d;
-    for (int64_t k = threadIdx.x; k < d; k += blockDim.x) yi[k] = bf16_bits(t[k]);
+  if (row < 0 || row >= t.rows) {  // another rank's token: its rows are zero here
+    for (int64_t k = threadIdx.x; k < d; k += blockDim.x) yi[k] = 0.f;
+  } else if (t.type == kBF16) {
+    const uint16_t* w = static_cast<const uint16_t*>(t.data) + row * d;
+    for (int64_t k = threadIdx.x; k < d; k += blockDim.x) yi[k] = bf16_bits(w[k]);
   } else {
-    const float* t = static_cast<const float*>(table) + row * d;
-    for (int64_t k = threadIdx.x; k < d; k += blockDim.x) yi[k] = t[k];
+    const float* w = static_cast<const float*>(t.data) + row * d;
+    for (int64_t k = threadIdx.x; k < d; k += blockDim.x) yi[k] = w[k];
   }
 }
 
@@ -137,8 +138,8 @@ unsigned grid_for(int64_t n, int threads) {
 
 }  // namespace
 
-void embed(const Launch& L, const int32_t* tok, int64_t n, const void* table, int32_t tt, int64_t d, float* y) {
-  launch(L, embed_kernel, dim3(unsigned(n)), dim3(256), 0, tok, table, tt, d, y);
+void embed(const Launch& L, const int32_t* tok, int64_t n, const EmbedTable& table, float* y) {
+  launch(L, embed_kernel, dim3(unsigned(n)), dim3(256), 0, tok, table, y);
 }
 
 void rmsnorm(const Launch& L, const float* x, int64_t n, int64_t d, int64_t stride, const float* w, float eps,
