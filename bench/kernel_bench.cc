@@ -124,9 +124,8 @@ int file_mode(ThreadPool& pool, const Kernels& k, std::vector<std::unique_ptr<Sc
         Linear w;
         w.weight = {DType::F8_E4M3, {R, K}, mem[size_t(v)] + i * kMat};
         w.scale = {DType::F32, {16, 16}, sc.data()};
-        pool.parallel_for(R / 128, [&](int64_t b, int64_t e, int t) {
-          k.matmul(x.data(), 1, K, w, b * 128, (e - b) * 128, y.data() + b * 128, R, *scr[size_t(t)]);
-        });
+        double cs;
+        run(pool, k, w, x.data(), 1, y.data(), scr, 1, &cs);
       }
       gbs[v].push_back(double(bytes) / (now() - t0) / 1e9);
     }
