@@ -190,16 +190,23 @@ TEST(ServerFaults, DisconnectedClientsAreCancelled) {
   EXPECT_EQ(answer(url), before);
 }
 
+// Streams a completion of `max_tokens` (EOS ignored) into `out` on its own thread, returned once
+// the server counts the request running (or after ~2 s).
+std::thread start_running(const std::string& url, int max_tokens, Stream& out) {
+  std::thread t([&out, url, max_tokens] {
+    out = stream(url, "/v1/completions", {{"prompt", "x"}, {"max_tokens", max_tokens}, {"ignore_eos", true}});
+  });
+  for (int i = 0; i < 200 && metric(get(url, "/metrics").raw, "dsv3:num_requests_running") != 1; ++i)
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  return t;
+}
+
 TEST(ServerFaults, SigtermDrainsAndExitsZero) {
   ServerProcess server({"--served-model-name", "tiny", "--drain-timeout", "30"});
   const std::string url = server.url();
   // A request in flight when SIGTERM comes finishes, whole.
   Stream in_flight;
-  std::thread t([&] {
-    in_flight = stream(url, "/v1/completions", {{"prompt", "x"}, {"max_tokens", 150}, {"ignore_eos", true}});
-  });
-  for (int i = 0; i < 200 && metric(get(url, "/metrics").raw, "dsv3:num_requests_running") != 1; ++i)
-    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  std::thread t = start_running(url, 150, in_flight);
   ::kill(server.pid(), SIGTERM);
   std::this_thread::sleep_for(std::chrono::milliseconds(100));
   // Meanwhile new work is refused (503) or, once the listener has stopped, not accepted at all.
@@ -223,11 +230,7 @@ TEST(ServerFaults, SigtermCancelsWhatOutlastsTheDrainTimeout) {
   ServerProcess server({"--drain-timeout", "0.5"});
   const std::string url = server.url();
   Stream s;
-  std::thread t([&] {
-    s = stream(url, "/v1/completions", {{"prompt", "x"}, {"max_tokens", 10000}, {"ignore_eos", true}});
-  });
-  for (int i = 0; i < 200 && metric(get(url, "/metrics").raw, "dsv3:num_requests_running") != 1; ++i)
-    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  std::thread t = start_running(url, 10000, s);
   const auto t0 = std::chrono::steady_clock::now();
   EXPECT_EQ(server.stop(SIGTERM, 20), 0) << server.log();
   EXPECT_LT(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count(), 10);
