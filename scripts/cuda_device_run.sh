@@ -56,7 +56,7 @@ g++ --version | head -1 | tee -a "$OUT/summary.txt"
 CXXFLAGS="-std=c++20 -O2 -g -DDSV3_HAVE_CUDA -I$ROOT/src -I$DEPS/include -I$DEPS/gtest/include -I/usr/local/cuda/include"
 NVFLAGS="-std=c++17 -O3 -lineinfo -DDSV3_HAVE_CUDA -I$ROOT/src -gencode=arch=compute_90a,code=sm_90a -Xptxas -v"
 SRCS="src/core/*.cc src/io/mmap_file.cc src/io/safetensors.cc src/io/safetensors_writer.cc src/io/checkpoint.cc src/model/*.cc
-      src/backend/backend.cc src/backend/ref/*.cc src/backend/cuda/*.cc src/dist/comm.cc src/runtime/*.cc"
+      src/backend/backend.cc src/backend/host_weights.cc src/backend/ref/*.cc src/backend/cuda/*.cc src/dist/comm.cc src/runtime/*.cc"
 log "build"
 t0=$(date +%s)
 JOBS=${JOBS:-$(nproc)}

@@ -723,6 +723,7 @@ TEST(BenchCommand, PrintsOneJsonObjectWithTheFloors) {
   EXPECT_GT(j["decode"][0]["fraction_of_floor"].get<double>(), 0);
   EXPECT_EQ(j["decode"][1]["tokens"].get<int>(), 3 * 3);  // decoded as generate runs it: 3 tokens each
   EXPECT_GT(j["peak_rss_bytes"].get<int64_t>(), 0);
+  EXPECT_EQ(j["weight_memory"].get<std::string>(), "copy");  // a tiny model fits: --weight-memory auto copies it
 }
 
 // dsv3 bench's model choice: a checkpoint or a synthetic shape (made on the GPU), not both or
@@ -740,6 +741,7 @@ TEST(BenchCommand, RefusesBadModelChoices) {
       {"--model " + model + " --synthetic 16B", "give one of --model DIR or --synthetic SHAPE"},
       {"--model " + model + " --dtype fp8", "--dtype, --layers and --vocab go with --synthetic"},
       {"--synthetic 16B --bw-gb 0.01", "--synthetic makes its weights on the GPU: give --device cuda"},
+      {"--model " + model + " --bw-gb 0.01 --weight-memory mapped", "--weight-memory must be auto, map or copy, got 'mapped'"},
   };
   for (const auto& [opts, want] : cases) {
     const auto [rc, msg] = run(opts);

@@ -1,6 +1,7 @@
 // What every backend shares: running a step graph node by node, the op dispatch, and the
 // defaults of the optional ops.
 #include "backend/backend.h"
+#include "backend/host_weights.h"
 
 #include <atomic>
 
@@ -87,6 +88,12 @@ void Backend::gather_rows(const float* x, int64_t d, const int64_t* rows, int64_
     download(row.data(), x + rows[r] * d, size_t(d));
     upload(y + r * d, row.data(), size_t(d));
   }
+}
+
+WeightPlacement Backend::prepare_weights(const ModelArgs&, ModelWeights& w, const WeightMemory& m) {
+  WeightMemory in_place = m;
+  in_place.mode = WeightMemory::kMap;
+  return place_host_weights(w, in_place, nullptr);
 }
 
 void Backend::all_reduce(Comm& comm, float* x, int64_t n) {

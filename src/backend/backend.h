@@ -33,6 +33,26 @@ struct MlaCall {
   float* out = nullptr;             // [n, n_heads * v_head_dim] (before wo)
 };
 
+// Where host weights live (--weight-memory): kMap reads them in place from the checkpoint's
+// mapping (file pages, shared and evictable, nothing copied); kCopy copies them into anonymous
+// memory with transparent huge pages, which streams faster; kAuto copies when they fit in the
+// memory available beside `keep_free` bytes. `lock` pins them (mlock) wherever they are.
+struct WeightMemory {
+  enum Mode { kAuto, kMap, kCopy } mode = kAuto;
+  bool lock = false;
+  int64_t keep_free = 0;  // bytes to leave available after a kAuto copy (the KV cache, the rest)
+};
+
+// Where prepare_weights put the weights: a line for the user ("mapped from the checkpoint",
+// "copied into ...", with any warning), and whether no view points into the checkpoint any more
+// (its file pages may then be dropped from the process).
+struct WeightPlacement {
+  std::string note;
+  bool off_checkpoint = false;
+  bool copied = false;  // into host memory of the process's own (WeightMemory::kCopy's copy)
+  bool locked = false;  // pinned as WeightMemory::lock asked
+};
+
 class Backend {
  public:
   virtual ~Backend() = default;
@@ -43,8 +63,10 @@ class Backend {
   virtual void release(float* p) = 0;
   virtual void upload(float* dst, const float* host, size_t n) = 0;
   virtual void download(float* host, const float* src, size_t n) = 0;
-  // Called once after loading; a device backend copies the weights and rewrites the views.
-  virtual void prepare_weights(const ModelArgs& args, ModelWeights& w) {}
+  // Called once after loading; a device backend copies the weights and rewrites the views, the
+  // cpu backend may copy them into anonymous huge pages (WeightMemory). Default: they stay in
+  // place (locked if asked).
+  virtual WeightPlacement prepare_weights(const ModelArgs& args, ModelWeights& w, const WeightMemory& m = {});
   // Bytes a device backend has free for more buffers (the KV cache's default capacity); -1 for
   // host memory (allocations there cost nothing until touched).
   virtual int64_t device_free_bytes() const { return -1; }

@@ -155,10 +155,8 @@ std::vector<std::string> Checkpoint::names() const {
   return v;
 }
 
-bool Checkpoint::lock_memory() {
-  bool ok = true;
-  for (auto& f : files_) ok = f->mapping().lock() && ok;
-  return ok;
+void Checkpoint::release_pages() {
+  for (auto& f : files_) f->mapping().release();
 }
 
 }  // namespace dsv3

@@ -39,8 +39,9 @@ class Checkpoint {
   std::vector<std::string> names() const;
   // The file a tensor lives in (for messages).
   const std::string& file_of(const std::string& ref_name) const;
-  // Pins every mapped file in RAM; false if the OS refused.
-  bool lock_memory();
+  // Drops the files' pages from this process (after the weights were copied out; views into the
+  // files stay valid, a read maps the page again).
+  void release_pages();
 
  private:
   std::string dir_, layout_, config_path_, config_text_;

@@ -44,7 +44,9 @@ MmapFile::~MmapFile() {
   if (data_) ::munmap(const_cast<uint8_t*>(data_), size_);
 }
 
-bool MmapFile::lock() { return size_ == 0 || ::mlock(data_, size_) == 0; }
+void MmapFile::release() {
+  if (data_) ::madvise(const_cast<uint8_t*>(data_), size_, MADV_DONTNEED);
+}
 
 std::string read_text_file(const std::string& path) {
   std::ifstream f(path, std::ios::binary);

@@ -16,8 +16,9 @@ class MmapFile {
   const uint8_t* data() const { return data_; }
   size_t size() const { return size_; }
   const std::string& path() const { return path_; }
-  // Pins the pages in RAM (mlock); returns false (with errno intact) when not permitted.
-  bool lock();
+  // Drops the pages from this process's mapping (they stay in the page cache, evictable; a later
+  // read maps them again): once the data lives elsewhere.
+  void release();
 
  private:
   std::string path_;

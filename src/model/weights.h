@@ -68,6 +68,40 @@ struct ModelWeights {
   std::vector<std::shared_ptr<std::vector<uint8_t>>> owned;
 };
 
+// What a tensor of ModelWeights is, for code that walks them all to place them in memory.
+enum class TensorRole { kLinear, kScale, kNorm, kEmbed, kGate };
+
+// Calls f(TensorView&, TensorRole) for every tensor of w, empty views included (another rank's
+// routed experts, absent optional tensors): embed, norm, head, then each layer's.
+template <class F>
+void for_each_tensor(ModelWeights& w, F&& f) {
+  auto lin = [&](Linear& l) {
+    f(l.weight, TensorRole::kLinear);
+    f(l.scale, TensorRole::kScale);
+  };
+  auto mlp = [&](MLPWeights& m) {
+    lin(m.w1);
+    lin(m.w2);
+    lin(m.w3);
+  };
+  f(w.embed, TensorRole::kEmbed);
+  f(w.norm, TensorRole::kNorm);
+  lin(w.head);
+  for (LayerWeights& L : w.layers) {
+    f(L.attn_norm, TensorRole::kNorm);
+    f(L.ffn_norm, TensorRole::kNorm);
+    AttnWeights& a = L.attn;
+    for (Linear* l : {&a.wq, &a.wq_a, &a.wq_b, &a.wkv_a, &a.wkv_b, &a.wo}) lin(*l);
+    f(a.q_norm, TensorRole::kNorm);
+    f(a.kv_norm, TensorRole::kNorm);
+    mlp(L.ffn);
+    f(L.moe_w.gate, TensorRole::kGate);
+    f(L.moe_w.bias, TensorRole::kNorm);
+    for (MLPWeights& e : L.moe_w.experts) mlp(e);
+    mlp(L.moe_w.shared_experts);
+  }
+}
+
 // The part of the model one process holds: rank `rank` of `size`, split as the reference splits
 // it (ParallelEmbedding, Column/RowParallelLinear, routed experts partitioned contiguously).
 struct Shard {

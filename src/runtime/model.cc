@@ -35,7 +35,10 @@ Model::Model(std::unique_ptr<Checkpoint> ck, std::unique_ptr<Backend> backend, c
     err = ranks() > 1 ? str("rank ", rank(), ": ", e.what()) : e.what();
   }
   agree(err, "loading its weights");
-  be_->prepare_weights(args_, w_);
+  WeightMemory wm = opt_.weights;
+  wm.keep_free += int64_t(opt_.kv_cache_gb * 1e9) + int64_t(2e9);  // the cache, activations, the rest
+  placed_ = be_->prepare_weights(args_, w_, wm);
+  if (placed_.off_checkpoint) ck_->release_pages();
   init();
 }
 

@@ -29,6 +29,7 @@ struct ModelOptions {
   double kv_cache_gb = 0;
   int kv_block = 64;        // positions per cache block
   Comm* comm = nullptr;     // the ranks the weights are split over (rank 0 leads); null: one process
+  WeightMemory weights;     // where host weights live (--weight-memory, --mlock)
   uint32_t rewrites = ~0u;  // the fusions (runtime/rewrites.h Rewrite bits) to run where the backend accepts
                             // them; 0: the recorded ops one by one
 };
@@ -64,6 +65,8 @@ class Model {
   KvCache& kv_cache() { return *cache_; }
   int max_len() const { return opt_.max_len; }  // positions one sequence may reach
   const ModelOptions& options() const { return opt_; }
+  // Where the backend put the weights (prepare_weights; empty for a model built from weights).
+  const WeightPlacement& weights_placement() const { return placed_; }
 
   // One step of n tokens: token i of sequence seqs[pos[i].slot] at position pos[i].pos. Each
   // sequence's blocks must already cover its positions (KvCache::reserve); its earlier positions
@@ -118,6 +121,7 @@ class Model {
   std::unique_ptr<Checkpoint> ck_;
   std::unique_ptr<Backend> be_;
   ModelOptions opt_;
+  WeightPlacement placed_;
   ModelArgs args_;
   ModelArgs local_;  // args_ as one rank's ops see them: its n_heads / ranks heads
   ModelWeights w_;

@@ -16,6 +16,7 @@
 #include "core/thread_pool.h"
 #include "runtime/scheduler.h"
 #include "tools/bench_model.h"
+#include "tools/model_options.h"
 #include "tools/serving_report.h"
 
 namespace dsv3 {
@@ -141,6 +142,7 @@ int run_serving_bench(const Args& args) {
     fail("--shared-prefix + --input-len + --output-len = ", shared + base.input_len + base.output_len,
          " tokens exceed the model's context of ", src.args.max_seq_len);
   opt.kv_cache_gb = args.get_float("kv-cache-gb", 0);
+  opt.weights = parse_weight_memory(args);
   const std::string what = src.what;
   std::unique_ptr<Model> model = bench_model(src, backend, opt, base.seed);
   std::vector<int32_t> prefix;

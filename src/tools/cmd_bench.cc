@@ -33,6 +33,7 @@
 #include "model/weights.h"
 #include "tools/anchors_h200.h"
 #include "tools/command.h"
+#include "tools/model_options.h"
 #ifdef DSV3_HAVE_CUDA
 #include "backend/cuda/cuda_backend.h"
 #endif
@@ -125,7 +126,7 @@ int run_bench(int argc, char** argv) {
   Args args(argc, argv,
             {"model", "config", "backend", "device", "batch", "prompt", "gen", "threads", "decode-ctx", "kv-cache-gb", "bw-gb",
              "seed", "attn", "synthetic", "dtype", "layers", "vocab", "concurrency", "input-len", "output-len", "requests",
-             "request-rate", "max-step-tokens", "shared-prefix"},
+             "request-rate", "max-step-tokens", "shared-prefix", "weight-memory"},
             {"json", "mlock"});
   if (launched_by_mpi()) fail("dsv3 bench measures one process; run it without mpirun");
   if (args.has("concurrency")) return run_serving_bench(args);
@@ -185,20 +186,19 @@ int run_bench(int argc, char** argv) {
   std::unique_ptr<Checkpoint>& ck = src.ck;
   const ModelArgs a = src.args;
   const std::string& what = src.what;
-  bool locked = false;
-  if (args.has("mlock") && ck) {
-    locked = ck->lock_memory();
-    if (!locked) std::fprintf(out, "warning: mlock refused (%s); weights stay pageable\n", std::strerror(errno));
-  }
   const int max_b = *std::max_element(batches.begin(), batches.end());
   ModelOptions opt;
   opt.attn = args.get("attn", "absorb") == "naive" ? AttnImpl::kNaive : AttnImpl::kAbsorb;
   opt.max_seqs = max_b;
   opt.max_len = int(std::min<long>(a.max_seq_len, std::max(prompt, ctx + gen + 1)));
   opt.kv_cache_gb = args.get_float("kv-cache-gb", 0);
+  opt.weights = parse_weight_memory(args);
+  opt.weights.lock = args.has("mlock");
   const double t_load = now();
   std::unique_ptr<Model> mp = bench_model(src, backend, opt, uint64_t(args.get_int("seed", 1)));
   Model& model = *mp;
+  const WeightPlacement& placed = model.weights_placement();
+  const bool locked = placed.locked;
   const ModelWeights& w = model.weights();
   const WeightStats st = weight_stats(a, w);
   // Bytes of one routed expert (all MoE layers' experts have the same shapes).
@@ -242,6 +242,7 @@ int run_bench(int argc, char** argv) {
   std::fprintf(out, "model: %s, %d layers, %.2f GB of weights (%s in %.1f s)%s; decode reads %.3f GB/token at batch 1\n",
                what.c_str(), a.n_layers, double(total_bytes) / 1e9, ck || !gpu ? "paged in" : "made", now() - t_load,
                locked ? ", mlocked" : "", double(st.decode_bytes_per_token) / 1e9);
+  if (!placed.note.empty()) std::fprintf(out, "%s\n", placed.note.c_str());
 
   std::mt19937 rng(uint32_t(args.get_int("seed", 1)));
   std::uniform_int_distribution<int> tok(0, a.vocab_size - 1);
@@ -389,6 +390,7 @@ int run_bench(int argc, char** argv) {
                         {"rss_file_bytes", file},
                         {"rss_anon_bytes", anon},
                         {"kv_cache_bytes", model.kv_cache().bytes()},
+                        {"weight_memory", placed.copied ? "copy" : gpu ? "device" : "map"},
                         {"mlocked", locked}};
     std::printf("%s\n", j.dump().c_str());
   }
@@ -399,7 +401,7 @@ int run_bench(int argc, char** argv) {
 
 DSV3_COMMAND(bench,
              "(--model DIR | --synthetic SHAPE [--dtype bf16|fp8] [--layers N] [--vocab V]) [--backend cpu|ref] [--device cpu|cuda] "
-             "[--batch 1,8,32] [--prompt 512] [--gen 32] [--decode-ctx 64] [--threads N] [--kv-cache-gb G] [--mlock] [--json]: "
+             "[--batch 1,8,32] [--prompt 512] [--gen 32] [--decode-ctx 64] [--threads N] [--kv-cache-gb G] [--weight-memory auto|map|copy] [--mlock] [--json]: "
              "prefill and decode speed (decode as generate runs it) beside the measured bandwidth and matrix floors; "
              "--synthetic: random weights of that shape made on the GPU (--device cuda)",
              run_bench);

@@ -11,7 +11,7 @@
 namespace dsv3 {
 
 std::vector<std::string> with_model_options(std::vector<std::string> opts) {
-  for (const char* o : {"model", "config", "backend", "attn", "threads", "kv-cache-gb"}) opts.push_back(o);
+  for (const char* o : {"model", "config", "backend", "attn", "threads", "kv-cache-gb", "weight-memory"}) opts.push_back(o);
   return opts;
 }
 
@@ -19,6 +19,16 @@ AttnImpl parse_attn(const std::string& s) {
   if (s == "absorb") return AttnImpl::kAbsorb;
   if (s == "naive") return AttnImpl::kNaive;
   fail("--attn must be absorb or naive, got '", s, "'");
+}
+
+WeightMemory parse_weight_memory(const Args& args) {
+  WeightMemory m;
+  const std::string s = args.get("weight-memory", "auto");
+  if (s == "auto") m.mode = WeightMemory::kAuto;
+  else if (s == "map") m.mode = WeightMemory::kMap;
+  else if (s == "copy") m.mode = WeightMemory::kCopy;
+  else fail("--weight-memory must be auto, map or copy, got '", s, "'");
+  return m;
 }
 
 std::string default_backend() {
@@ -55,6 +65,7 @@ LoadedModel load_model(const Args& args, int slots, int max_len, const std::stri
   opt.max_seqs = std::max(1, slots);
   opt.max_len = std::min(max_len, load_model_args(*ck).max_seq_len);
   opt.kv_cache_gb = args.get_float("kv-cache-gb", 0);  // 0: sized for slots x max_len
+  opt.weights = parse_weight_memory(args);
   opt.comm = world.size() > 1 ? &world : nullptr;
   LoadedModel lm;
   lm.model = std::make_unique<Model>(std::move(ck), make_backend(be), opt);

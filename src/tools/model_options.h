@@ -12,6 +12,8 @@ namespace dsv3 {
 
 std::vector<std::string> with_model_options(std::vector<std::string> opts);
 AttnImpl parse_attn(const std::string& s);
+// --weight-memory auto|map|copy (default auto; backend/backend.h WeightMemory).
+WeightMemory parse_weight_memory(const Args& args);
 std::string default_backend();  // "cpu" when this build has it, else "ref"
 
 struct LoadedModel {

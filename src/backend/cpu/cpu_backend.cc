@@ -20,6 +20,7 @@
 
 #include "backend/backend.h"
 #include "backend/cpu/kernels.h"
+#include "backend/host_weights.h"
 #include "core/dtype.h"
 #include "core/error.h"
 #include "core/thread_pool.h"
@@ -119,6 +120,10 @@ class CpuBackend final : public Backend {
   }
 
   std::string name() const override { return "cpu"; }
+
+  WeightPlacement prepare_weights(const ModelArgs&, ModelWeights& w, const WeightMemory& m) override {
+    return place_host_weights(w, m, &weights_);
+  }
 
   float* alloc(size_t n) override {
     const size_t bytes = std::max<size_t>(n, 1) * sizeof(float);
@@ -582,6 +587,7 @@ class CpuBackend final : public Backend {
   std::unique_ptr<Backend> ref_;
   std::vector<std::unique_ptr<Scratch>> scratch_;
   std::map<void*, size_t> mapped_;
+  HostArena weights_;  // the weights when copied out of the checkpoint (prepare_weights)
   Grow norm_w_, bias_, kvnorm_w_, gate_logits_, gathered_, hidden_, qa_, ol_;
   std::vector<int32_t> idx_, expert_job_;
   std::vector<float> wts_;

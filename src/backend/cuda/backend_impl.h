@@ -69,7 +69,7 @@ class CudaBackend final : public Backend {
   void release(float* p) override;
   void upload(float* dst, const float* host, size_t n) override;
   void download(float* host, const float* src, size_t n) override;
-  void prepare_weights(const ModelArgs& args, ModelWeights& w) override;
+  WeightPlacement prepare_weights(const ModelArgs& args, ModelWeights& w, const WeightMemory& m = {}) override;
   int64_t device_free_bytes() const override;
   ModelWeights random_weights(const ModelArgs& a, uint64_t seed);
   int64_t routed_experts_run() const override;

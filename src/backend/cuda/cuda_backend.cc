@@ -67,43 +67,11 @@ void* device_malloc(size_t bytes, const char* what, const char* hint) {
   return p;
 }
 
-enum class Kind { kLinear, kScale, kNorm, kEmbed, kGate };
-
-// Every tensor of a ModelWeights with its kind (empty views included).
-template <class F>
-void visit(ModelWeights& w, F&& f) {
-  auto lin = [&](Linear& l) {
-    f(l.weight, Kind::kLinear);
-    f(l.scale, Kind::kScale);
-  };
-  auto mlp = [&](MLPWeights& m) {
-    lin(m.w1);
-    lin(m.w2);
-    lin(m.w3);
-  };
-  f(w.embed, Kind::kEmbed);
-  f(w.norm, Kind::kNorm);
-  lin(w.head);
-  for (LayerWeights& L : w.layers) {
-    f(L.attn_norm, Kind::kNorm);
-    f(L.ffn_norm, Kind::kNorm);
-    AttnWeights& a = L.attn;
-    for (Linear* l : {&a.wq, &a.wq_a, &a.wq_b, &a.wkv_a, &a.wkv_b, &a.wo}) lin(*l);
-    f(a.q_norm, Kind::kNorm);
-    f(a.kv_norm, Kind::kNorm);
-    mlp(L.ffn);
-    f(L.moe_w.gate, Kind::kGate);
-    f(L.moe_w.bias, Kind::kNorm);
-    for (MLPWeights& e : L.moe_w.experts) mlp(e);
-    mlp(L.moe_w.shared_experts);
-  }
-}
-
 // The dtype a tensor gets on the device.
-DType device_dtype(const TensorView& t, Kind k) {
+DType device_dtype(const TensorView& t, TensorRole k) {
   switch (k) {
-    case Kind::kScale:
-    case Kind::kNorm: return DType::F32;
+    case TensorRole::kScale:
+    case TensorRole::kNorm: return DType::F32;
     default:
       if (t.dtype == DType::BF16 || t.dtype == DType::F8_E4M3 || t.dtype == DType::F32) return t.dtype;
       return DType::F32;  // F16 is widened exactly
@@ -246,16 +214,16 @@ int64_t CudaBackend::device_free_bytes() const {
   return int64_t(free_b);
 }
 
-void CudaBackend::prepare_weights(const ModelArgs& args, ModelWeights& w) {
+WeightPlacement CudaBackend::prepare_weights(const ModelArgs& args, ModelWeights& w, const WeightMemory&) {
   size_t total = 0;
-  visit(w, [&](TensorView& t, Kind k) {
+  for_each_tensor(w, [&](TensorView& t, TensorRole k) {
     if (!t.empty()) total += align256(size_t(t.numel()) * dtype_size(device_dtype(t, k)));
   });
   char* base = static_cast<char*>(device_bytes(total));
   size_t at = 0;
   std::vector<float> conv;
   cuda::Uploader up(base, total, opt_.upload_chunk, stream_, opt_.progress);
-  visit(w, [&](TensorView& t, Kind k) {
+  for_each_tensor(w, [&](TensorView& t, TensorRole k) {
     if (t.empty()) return;
     const DType dt = device_dtype(t, k);
     const size_t bytes = size_t(t.numel()) * dtype_size(dt);
@@ -272,6 +240,11 @@ void CudaBackend::prepare_weights(const ModelArgs& args, ModelWeights& w) {
     at += align256(bytes);
   });
   up.finish();
+  w.owned.clear();
+  WeightPlacement p;
+  p.note = str("weights: ", double(int64_t(double(total) / 1e7)) / 100.0, " GB in GPU memory");
+  p.off_checkpoint = true;
+  return p;
 }
 
 ModelWeights CudaBackend::random_weights(const ModelArgs& a, uint64_t seed) {
