@@ -78,7 +78,7 @@ double run(ThreadPool& pool, const Kernels& k, const Linear& w, const float* x, 
     const double t0 = now(), c0 = cpu_now();
     pool.parallel_for(items, [&](int64_t b, int64_t e, int t) {
       const int64_t r0 = b * tile, r1 = std::min(out, e * tile);
-      k.matmul(x, M, w.in(), w, r0, r1 - r0, y + r0, out, *scr[size_t(t)]);
+      k.matmul({x, M, w.in()}, w, {r0, r1 - r0}, {y + r0, out}, *scr[size_t(t)]);
     });
     const double dt = now() - t0;
     if (dt < best) best = dt, cbest = cpu_now() - c0;
@@ -189,9 +189,9 @@ int main(int argc, char** argv) {
     std::vector<float> y(size_t(rows * 8));
     for (int64_t M : {1, 2, 4, 8}) {
       const int reps = 200;
-      k.matmul(x.data(), M, K, m.lin, 0, rows, y.data(), rows, *scr[0]);
+      k.matmul({x.data(), M, K}, m.lin, {0, rows}, {y.data(), rows}, *scr[0]);
       const double c0 = cpu_now();
-      for (int r = 0; r < reps; ++r) k.matmul(x.data(), M, K, m.lin, 0, rows, y.data(), rows, *scr[0]);
+      for (int r = 0; r < reps; ++r) k.matmul({x.data(), M, K}, m.lin, {0, rows}, {y.data(), rows}, *scr[0]);
       const double cs = cpu_now() - c0;
       std::printf("%-8s in-cache GEMV [%lld x %lld] M=%lld, 1 thread: %.1f GB/s of weights per core-second\n",
                   dtype_name(dt), (long long)rows, (long long)K, (long long)M, double(m.w.size()) * reps / cs / 1e9);

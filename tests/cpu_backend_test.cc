@@ -133,7 +133,7 @@ void check_every_e4m3_code(cpu::Isa isa, int64_t M) {
   cpu::Scratch scr;
   std::vector<float> x(size_t(M * in), 0.f), y(size_t(M * out));
   for (int64_t m = 0; m < M; ++m) x[size_t(m * in + (m * 37) % in)] = 1.f;
-  cpu::kernels(isa).matmul(x.data(), M, in, lin, 0, out, y.data(), out, scr);
+  cpu::kernels(isa).matmul({x.data(), M, in}, lin, {0, out}, {y.data(), out}, scr);
   for (int64_t m = 0; m < M; ++m)
     for (int64_t r = 0; r < out; ++r) {
       uint8_t b = w[size_t(r * in + (m * 37) % in)];
@@ -158,7 +158,7 @@ void check_matmul(cpu::Isa isa, DType dt, int64_t out, int64_t in, int64_t M, st
   const int64_t ldy = nr + 3;
   std::vector<float> y(size_t(M * ldy), -7.f);
   cpu::Scratch scr;
-  cpu::kernels(isa).matmul(x.data(), M, in, L.lin, r0, nr, y.data(), ldy, scr);
+  cpu::kernels(isa).matmul({x.data(), M, in}, L.lin, {r0, nr}, {y.data(), ldy}, scr);
   for (int64_t m = 0; m < M; ++m)
     for (int64_t j = 0; j < nr; ++j) {
       const RefDot d = ref_dot(&x[size_t(m * in)], 1, &L.deq[size_t((r0 + j) * in)], 1, in);
@@ -208,7 +208,7 @@ void check_matmul_t(cpu::Isa isa, OwnedLinear& L, int64_t M, std::mt19937& rng) 
   const int64_t ldy = C + 5;
   std::vector<float> y(size_t(M * ldy), -7.f);
   cpu::Scratch scr;
-  cpu::kernels(isa).matmul_t(x.data(), M, nd, L.lin, d0, nd, y.data(), ldy, scr);
+  cpu::kernels(isa).matmul_t({x.data(), M, nd}, L.lin, {d0, nd}, {y.data(), ldy}, scr);
   for (int64_t m = 0; m < M; ++m)
     for (int64_t c = 0; c < C; ++c) {
       const RefDot d = ref_dot(&x[size_t(m * nd)], 1, &L.deq[size_t(d0 * C + c)], C, nd);
@@ -275,7 +275,7 @@ TEST(CpuKernels, Avx2E4m3RoutesAreExactOnRaggedShapes) {
     const int64_t ldy = 300;
     std::vector<float> y(size_t(M * ldy));
     cpu::Scratch scr;
-    cpu::kernels(isa).matmul(x.data(), M, 400, L.lin, 0, 300, y.data(), ldy, scr);
+    cpu::kernels(isa).matmul({x.data(), M, 400}, L.lin, {0, 300}, {y.data(), ldy}, scr);
     for (int64_t m = 0; m < M; ++m)
       for (int64_t j = 0; j < 300; ++j) {
         const RefDot d = ref_dot(&x[size_t(m * 400)], 1, &L.deq[size_t(j * 400)], 1, 400);
@@ -298,7 +298,7 @@ TEST(CpuKernels, Float32KernelsMatchLoops) {
     for (auto [M, N, K] : std::vector<std::array<int64_t, 3>>{{1, 1, 1}, {3, 5, 17}, {16, 33, 576}, {9, 130, 100}, {20, 300, 270}, {140, 7, 40}}) {
       std::vector<float> a = randn(size_t(M * (K + 2)), rng), b = randn(size_t(N * (K + 1)), rng);
       std::vector<float> c(size_t(M * (N + 1)), -7.f);
-      k.gemm_nt_f32(a.data(), K + 2, b.data(), K + 1, M, N, K, 0.5f, c.data(), N + 1);
+      k.gemm_nt_f32({a.data(), M, K + 2}, {b.data(), N, K + 1}, K, 0.5f, {c.data(), N + 1});
       for (int64_t i = 0; i < M; ++i)
         for (int64_t j = 0; j < N; ++j) {
           double want = 0, mag = 0;
@@ -313,7 +313,7 @@ TEST(CpuKernels, Float32KernelsMatchLoops) {
       const int64_t J = K;
       std::vector<float> p = randn(size_t(M * N), rng), v = randn(size_t(N * J), rng), o = randn(size_t(M * J), rng);
       std::vector<float> o0 = o;
-      k.gemm_nn_acc_f32(p.data(), N, v.data(), J, M, N, J, o.data(), J);
+      k.gemm_nn_acc_f32({p.data(), M, N}, {v.data(), N, J}, J, {o.data(), J});
       for (int64_t i = 0; i < M; ++i)
         for (int64_t j = 0; j < J; ++j) {
           double want = o0[size_t(i * J + j)], mag = std::fabs(want);
@@ -341,7 +341,7 @@ TEST(CpuKernels, Float32KernelsMatchLoops) {
       for (int64_t i = 0; i < n; ++i)
         ASSERT_NEAR(s[size_t(i)], std::exp(double(a[size_t(i)]) - mx) / sum, 4e-6 * s[size_t(i)] + 1e-9) << cpu::isa_name(isa);
       std::vector<float> w = randn(size_t(n), rng), y(a.size() + 2, 5.f);
-      k.rmsnorm(a.data(), n, 1, n, w.data(), 1e-6f, y.data(), n);
+      k.rmsnorm({a.data(), 1, n}, n, w.data(), 1e-6f, {y.data(), n});
       double ss = 0;
       for (float v : a) ss += double(v) * v;
       const double r = 1 / std::sqrt(ss / double(n) + 1e-6);

@@ -169,10 +169,12 @@ class CpuBackend final : public Backend {
     last_n_ = n;
     const float* wf = vec_f32(w, d, norm_w_);
     if (n * d < (1 << 16)) {
-      k_.rmsnorm(x, stride, n, d, wf, eps, y, stride);
+      k_.rmsnorm({x, n, stride}, d, wf, eps, {y, stride});
       return;
     }
-    par(n, [&](int64_t b, int64_t e, int) { k_.rmsnorm(x + b * stride, stride, e - b, d, wf, eps, y + b * stride, stride); });
+    par(n, [&](int64_t b, int64_t e, int) {
+      k_.rmsnorm({x + b * stride, e - b, stride}, d, wf, eps, {y + b * stride, stride});
+    });
   }
 
   void linear(const float* x, int64_t n, const Linear& w, float* y) override {
@@ -196,7 +198,7 @@ class CpuBackend final : public Backend {
     const float* wf = vec_f32(*norm.weight, d, norm_w_);
     auto rows = [&](int64_t b, int64_t e, int) {
       for (int64_t i = b; i < e; ++i) k_.axpy(1.f, r.data + i * d, d, h.data + i * d);
-      k_.rmsnorm(h.data + b * d, d, e - b, d, wf, norm.eps, x.data + b * x.stride, x.stride);
+      k_.rmsnorm({h.data + b * d, e - b, d}, d, wf, norm.eps, {x.data + b * x.stride, x.stride});
     };
     if (h.rows * d < (1 << 16)) rows(0, h.rows, 0);
     else par(h.rows, rows);
@@ -408,7 +410,9 @@ class CpuBackend final : public Backend {
     const int64_t out = w.out(), in = w.in();
     if (n <= kFewTokens) {
       // Weight streaming (decode): guided chunks of 16-row multiples.
-      guided(out, 16, [&](int64_t r0, int64_t r1, int t) { k.matmul(x, n, in, w, r0, r1 - r0, y + r0, out, scratch(t)); });
+      guided(out, 16, [&](int64_t r0, int64_t r1, int t) {
+        k.matmul({x, n, in}, w, {r0, r1 - r0}, {y + r0, out}, scratch(t));
+      });
       return;
     }
     // Compute-bound: row tiles in guided chunks (the threads' speeds differ on shared cores).
@@ -417,7 +421,7 @@ class CpuBackend final : public Backend {
     guided(items, 1, [&](int64_t b, int64_t e, int t) {
       Scratch& s = scratch(t);
       const int64_t r0 = b * tile, r1 = std::min(out, e * tile);
-      k.matmul(x, n, in, w, r0, r1 - r0, y + r0, out, s);
+      k.matmul({x, n, in}, w, {r0, r1 - r0}, {y + r0, out}, s);
     });
   }
 
@@ -455,8 +459,8 @@ class CpuBackend final : public Backend {
       const int64_t m = int64_t(job.rows.size());
       float* h1 = s.get<float>(8, size_t(m * nr));
       float* h3 = s.get<float>(9, size_t(m * nr));
-      k_.matmul(job.x, m, D, job.w->w1, r0, nr, h1, nr, s);
-      k_.matmul(job.x, m, D, job.w->w3, r0, nr, h3, nr, s);
+      k_.matmul({job.x, m, D}, job.w->w1, {r0, nr}, {h1, nr}, s);
+      k_.matmul({job.x, m, D}, job.w->w3, {r0, nr}, {h3, nr}, s);
       for (int64_t r = 0; r < m; ++r) k_.silu_mul(h1 + r * nr, h3 + r * nr, nr, job.h + r * job.inter + r0);
     };
     if (few) {
@@ -493,7 +497,7 @@ class CpuBackend final : public Backend {
         const ExpertJob& job = jobs_[size_t(j)];
         const int64_t m = int64_t(job.rows.size());
         float* tmp = s.get<float>(8, size_t(m * nd));
-        k_.matmul(job.h, m, job.inter, job.w->w2, d0, nd, tmp, nd, s);
+        k_.matmul({job.h, m, job.inter}, job.w->w2, {d0, nd}, {tmp, nd}, s);
         for (int64_t r = 0; r < m; ++r) k_.axpy(job.wts[size_t(r)], tmp + r * nd, nd, y + job.rows[size_t(r)] * D + d0);
       }
     };
@@ -527,7 +531,7 @@ class CpuBackend final : public Backend {
       float* kvi = kv + i * (C + R);
       apply_rope(kvi + C, cs, int(R / 2));
       const int64_t row = kvv.row(tp[i].slot, tp[i].pos);
-      k_.rmsnorm(kvi, C, 1, C, kv_norm, a.rms_norm_eps, cache.kv + row * C, C);
+      k_.rmsnorm({kvi, 1, C}, C, kv_norm, a.rms_norm_eps, {cache.kv + row * C, C});
       std::memcpy(cache.pe + row * R, kvi + C, size_t(R) * 4);
     }
     // q absorbed into the latent space: qa[i, h, :] = q_nope[i, h, :] . wkv_b[h, :nope, :]
@@ -538,7 +542,8 @@ class CpuBackend final : public Backend {
     // Heads in guided chunks (a late or slower thread takes fewer).
     guided(H, 1, [&](int64_t b, int64_t e, int t) {
       for (int64_t h = b; h < e; ++h)
-        k_.matmul_t(q + h * qk, n, H * qk, w.wkv_b, h * (nope + V), nope, qa + h * C, H * C, scratch(t));
+        k_.matmul_t({q + h * qk, n, H * qk}, w.wkv_b, {h * (nope + V), nope}, {qa + h * C, H * C},
+                    scratch(t));
     });
     // Scores over the latent and rope caches, softmax, weighted latent sum: per token and head
     // group (heads share the cache rows: MQA over the latent).
@@ -559,8 +564,10 @@ class CpuBackend final : public Backend {
         // The sequence's cache rows block by block (each block's rows are contiguous).
         for (int64_t t0 = 0; t0 < len; t0 += B) {
           const int64_t bl = std::min(B, len - t0), row = kvv.row(tp[i].slot, t0);
-          k_.gemm_nt_f32(qa + (i * H + h0) * C, C, cache.kv + row * C, C, G, bl, C, scale, sc + t0, len);
-          k_.gemm_nt_f32(q + (i * H + h0) * qk + nope, qk, cache.pe + row * R, R, G, bl, R, scale, sp + t0, len);
+          k_.gemm_nt_f32({qa + (i * H + h0) * C, G, C}, {cache.kv + row * C, bl, C}, C, scale,
+                         {sc + t0, len});
+          k_.gemm_nt_f32({q + (i * H + h0) * qk + nope, G, qk}, {cache.pe + row * R, bl, R}, R, scale,
+                         {sp + t0, len});
         }
         for (int64_t g = 0; g < G; ++g) {
           float* row = sc + g * len;
@@ -569,7 +576,7 @@ class CpuBackend final : public Backend {
         }
         for (int64_t t0 = 0; t0 < len; t0 += B) {
           const int64_t bl = std::min(B, len - t0), row = kvv.row(tp[i].slot, t0);
-          k_.gemm_nn_acc_f32(sc + t0, len, cache.kv + row * C, C, G, bl, C, ol + (i * H + h0) * C, C);
+          k_.gemm_nn_acc_f32({sc + t0, G, len}, {cache.kv + row * C, bl, C}, C, {ol + (i * H + h0) * C, C});
         }
       }
     });
@@ -577,7 +584,8 @@ class CpuBackend final : public Backend {
     ph.emplace(prof_, "mla.v_out", n, wkv_b_half);
     guided(H, 1, [&](int64_t b, int64_t e, int t) {
       for (int64_t h = b; h < e; ++h)
-        k_.matmul(ol + h * C, n, H * C, w.wkv_b, h * (nope + V) + nope, V, out + h * V, H * V, scratch(t));
+        k_.matmul({ol + h * C, n, H * C}, w.wkv_b, {h * (nope + V) + nope, V}, {out + h * V, H * V},
+                  scratch(t));
     });
   }
 

@@ -35,9 +35,10 @@ void* Scratch::get(int i, size_t bytes) {
 
 namespace {
 
-void matmul_scalar(const float* x, int64_t M, int64_t ldx, const Linear& w, int64_t r0, int64_t nr, float* y,
-                   int64_t ldy, Scratch& s) {
-  const int64_t K = w.in();
+void matmul_scalar(Rows xr, const Linear& w, RowRange rows, OutRows yr, Scratch& s) {
+  const float* x = xr.p;
+  float* y = yr.p;
+  const int64_t M = xr.n, ldx = xr.ld, r0 = rows.r0, nr = rows.n, ldy = yr.ld, K = w.in();
   float* row = s.get<float>(0, size_t(K));
   for (int64_t j = 0; j < nr; ++j) {
     weight_row_f32(w, r0 + j, row);
@@ -45,9 +46,10 @@ void matmul_scalar(const float* x, int64_t M, int64_t ldx, const Linear& w, int6
   }
 }
 
-void matmul_t_scalar(const float* x, int64_t M, int64_t ldx, const Linear& w, int64_t d0, int64_t nd, float* y,
-                     int64_t ldy, Scratch& s) {
-  const int64_t C = w.in();
+void matmul_t_scalar(Rows xr, const Linear& w, RowRange rows, OutRows yr, Scratch& s) {
+  const float* x = xr.p;
+  float* y = yr.p;
+  const int64_t M = xr.n, ldx = xr.ld, d0 = rows.r0, nd = rows.n, ldy = yr.ld, C = w.in();
   float* row = s.get<float>(0, size_t(C));
   for (int64_t m = 0; m < M; ++m) std::fill(y + m * ldy, y + m * ldy + C, 0.f);
   for (int64_t d = 0; d < nd; ++d) {
@@ -60,26 +62,24 @@ void matmul_t_scalar(const float* x, int64_t M, int64_t ldx, const Linear& w, in
   }
 }
 
-void gemm_nt_f32_scalar(const float* a, int64_t lda, const float* b, int64_t ldb, int64_t M, int64_t N, int64_t K,
-                        float alpha, float* c, int64_t ldc) {
-  for (int64_t i = 0; i < M; ++i)
-    for (int64_t j = 0; j < N; ++j) c[i * ldc + j] = alpha * dot_f32(a + i * lda, b + j * ldb, K);
+void gemm_nt_f32_scalar(Rows a, Rows b, int64_t K, float alpha, OutRows c) {
+  for (int64_t i = 0; i < a.n; ++i)
+    for (int64_t j = 0; j < b.n; ++j) c.p[i * c.ld + j] = alpha * dot_f32(a.p + i * a.ld, b.p + j * b.ld, K);
 }
 
-void gemm_nn_acc_f32_scalar(const float* p, int64_t ldp, const float* v, int64_t ldv, int64_t M, int64_t N, int64_t J,
-                            float* o, int64_t ldo) {
-  for (int64_t i = 0; i < M; ++i)
-    for (int64_t n = 0; n < N; ++n) {
-      const float pv = p[i * ldp + n];
-      for (int64_t j = 0; j < J; ++j) o[i * ldo + j] += pv * v[n * ldv + j];
+void gemm_nn_acc_f32_scalar(Rows p, Rows v, int64_t J, OutRows o) {
+  for (int64_t i = 0; i < p.n; ++i)
+    for (int64_t n = 0; n < v.n; ++n) {
+      const float pv = p.p[i * p.ld + n];
+      for (int64_t j = 0; j < J; ++j) o.p[i * o.ld + j] += pv * v.p[n * v.ld + j];
     }
 }
 
-void rmsnorm_scalar(const float* x, int64_t sx, int64_t n, int64_t d, const float* w, float eps, float* y, int64_t sy) {
-  for (int64_t i = 0; i < n; ++i) {
-    const float* xi = x + i * sx;
+void rmsnorm_scalar(Rows x, int64_t d, const float* w, float eps, OutRows y) {
+  for (int64_t i = 0; i < x.n; ++i) {
+    const float* xi = x.p + i * x.ld;
     const float r = 1.f / std::sqrt(dot_f32(xi, xi, d) / float(d) + eps);
-    for (int64_t k = 0; k < d; ++k) y[i * sy + k] = xi[k] * r * w[k];
+    for (int64_t k = 0; k < d; ++k) y.p[i * y.ld + k] = xi[k] * r * w[k];
   }
 }
 

@@ -43,27 +43,41 @@ class Scratch {
   size_t n_[kSlots] = {};
 };
 
-// Row range of a Linear: rows [r0, r0 + nr) of w.weight ([out, in]).
+// The operands the kernels pass around. Small and trivially copyable: passed by value, unpacked
+// into locals before any loop.
+//
+// Float32 rows a kernel reads: row i (i < n) at p + i * ld. A product's tokens (one row per token),
+// one side of an attention product.
+struct Rows {
+  const float* p;
+  int64_t n;   // rows
+  int64_t ld;  // row stride, floats
+};
+// Float32 rows a kernel writes: row i at p + i * ld (as many rows as the product has).
+struct OutRows {
+  float* p;
+  int64_t ld;  // row stride, floats
+};
+// Rows [r0, r0 + n) of a Linear's weight ([out, in]).
+struct RowRange {
+  int64_t r0, n;
+};
+
 struct Kernels {
   Isa isa;
-  // y[m*ldy + j] = sum_k x[m*ldx + k] * W[r0 + j, k]   (m < M, j < nr, k < W.in())
+  // y[m][j] = sum_k x[m][k] * W[r0 + j, k]   (m < x.n, j < rows.n, k < W.in())
   // FP8 weights with their 128x128 block scales. Arithmetic: AVX-512: x (times the block scale)
   // rounded to bf16, exact bf16 weights, float32 accumulation; AVX2/scalar: float32.
-  void (*matmul)(const float* x, int64_t M, int64_t ldx, const Linear& w, int64_t r0, int64_t nr, float* y,
-                 int64_t ldy, Scratch& s);
-  // The transposed product over a row range: y[m*ldy + c] = sum_{d < nd} x[m*ldx + d] * W[d0 + d, c]
+  void (*matmul)(Rows x, const Linear& w, RowRange rows, OutRows y, Scratch& s);
+  // The transposed product over a row range: y[m][c] = sum_{d < rows.n} x[m][d] * W[rows.r0 + d, c]
   // (c < W.in()). Same arithmetic as matmul.
-  void (*matmul_t)(const float* x, int64_t M, int64_t ldx, const Linear& w, int64_t d0, int64_t nd, float* y,
-                   int64_t ldy, Scratch& s);
-  // Float32 products for attention: c[m*ldc + n] = alpha * sum_k a[m*lda + k] * b[n*ldb + k].
-  void (*gemm_nt_f32)(const float* a, int64_t lda, const float* b, int64_t ldb, int64_t M, int64_t N, int64_t K,
-                      float alpha, float* c, int64_t ldc);
-  // o[m*ldo + j] += sum_n p[m*ldp + n] * v[n*ldv + j]   (j < J).
-  void (*gemm_nn_acc_f32)(const float* p, int64_t ldp, const float* v, int64_t ldv, int64_t M, int64_t N,
-                          int64_t J, float* o, int64_t ldo);
-  // y[i*d + k] = x[i*stride_x + k] * r_i * w[k], r_i = 1/sqrt(mean(x_i^2) + eps); w float32.
-  void (*rmsnorm)(const float* x, int64_t stride_x, int64_t n, int64_t d, const float* w, float eps, float* y,
-                  int64_t stride_y);
+  void (*matmul_t)(Rows x, const Linear& w, RowRange rows, OutRows y, Scratch& s);
+  // Float32 products for attention: c[m][n] = alpha * sum_{k < K} a[m][k] * b[n][k]   (m < a.n, n < b.n).
+  void (*gemm_nt_f32)(Rows a, Rows b, int64_t K, float alpha, OutRows c);
+  // o[m][j] += sum_n p[m][n] * v[n][j]   (m < p.n, n < v.n, j < J).
+  void (*gemm_nn_acc_f32)(Rows p, Rows v, int64_t J, OutRows o);
+  // y[i][k] = x[i][k] * r_i * w[k]   (i < x.n, k < d), r_i = 1/sqrt(mean(x_i^2) + eps); w float32.
+  void (*rmsnorm)(Rows x, int64_t d, const float* w, float eps, OutRows y);
   // h[i] = silu(a[i]) * b[i]
   void (*silu_mul)(const float* a, const float* b, int64_t n, float* h);
   // y[i] += alpha * x[i]

@@ -34,8 +34,7 @@
 
 namespace dsv3::cpu {
 
-void matmul_avx512_entry(const float* x, int64_t M, int64_t ldx, const Linear& w, int64_t r0, int64_t nr, float* y,
-                         int64_t ldy, Scratch& s);
+void matmul_avx512_entry(Rows x, const Linear& w, RowRange rows, OutRows y, Scratch& s);
 
 bool amx_request_permission() {
   // Linux: a process must ask before its first tile instruction (ARCH_REQ_XCOMP_PERM, XTILEDATA).
@@ -304,14 +303,26 @@ DSV3_AMX_INLINE void tdp_block(const uint16_t* a, const uint64_t* bg, int64_t g,
   }
 }
 
-// Rows [r0, r0 + nr) for the token groups whose B is packed (bufs[g], gsize[g] <= 8 tokens). Row
-// groups of 64 (four C tiles) x 128-k blocks: the block's A tiles are converted once, one block
-// ahead of the products that read them (double buffer: the vector stores have landed by then),
-// and shared by every token group. Each block's partial sums leave the tiles and are scaled into
-// float32 accumulators (the FP8 scale of (row block, k block)); the tile unit does the rest.
+// Up to 64 tokens' activations packed as B (pack_b), in groups of up to 8: group g (g < n) holds
+// size[g] tokens at buf[g].
+struct PackedGroups {
+  const uint64_t* buf[8] = {};
+  int64_t size[8] = {};
+  int n = 0;
+};
+
+// Rows [r0, r0 + nr) for the packed token groups. Row groups of 64 (four C tiles) x 128-k blocks:
+// the block's A tiles are converted once, one block ahead of the products that read them (double
+// buffer: the vector stores have landed by then), and shared by every token group. Each block's
+// partial sums leave the tiles and are scaled into float32 accumulators (the FP8 scale of (row
+// block, k block)); the tile unit does the rest.
 template <bool kFp8>
-DSV3_AMX void rows_amx(const Linear& wl, int64_t r0, int64_t nr, const uint64_t* const* bufs, const int64_t* gsize,
-                       int ngroups, float* y, int64_t ldy, Scratch& s) {
+DSV3_AMX void rows_amx(const Linear& wl, RowRange range, const PackedGroups& groups, OutRows yr, Scratch& s) {
+  const int64_t r0 = range.r0, nr = range.n, ldy = yr.ld;
+  float* y = yr.p;
+  const uint64_t* const* bufs = groups.buf;
+  const int64_t* gsize = groups.size;
+  const int ngroups = groups.n;
   const int64_t K = wl.in();
   const int64_t steps = kFp8 ? 2 * ((K + 63) / 64) : (K + 31) / 32;
   const int64_t kblocks = (K + kBlock - 1) / kBlock;
@@ -380,8 +391,10 @@ DSV3_AMX void rows_amx(const Linear& wl, int64_t r0, int64_t nr, const uint64_t*
 }
 
 template <bool kFp8>
-DSV3_AMX void matmul_amx_t(const float* x, int64_t M, int64_t ldx, const Linear& wl, int64_t r0, int64_t nr, float* y,
-                           int64_t ldy, Scratch& s) {
+DSV3_AMX void matmul_amx_t(Rows xr, const Linear& wl, RowRange rows, OutRows yr, Scratch& s) {
+  const float* x = xr.p;
+  float* y = yr.p;
+  const int64_t M = xr.n, ldx = xr.ld, ldy = yr.ld;
   const int64_t K = wl.in();
   const int64_t steps = 2 * ((K + 63) / 64);  // B packs whole 64-k chunks
   constexpr int64_t kTokenTile = 64;          // eight groups of eight tokens share each converted A block
@@ -397,14 +410,13 @@ DSV3_AMX void matmul_amx_t(const float* x, int64_t M, int64_t ldx, const Linear&
   }
   for (int64_t m0 = 0; m0 < M; m0 += kTokenTile) {
     const int64_t mt = std::min(kTokenTile, M - m0);
-    const int ngroups = int((mt + 7) / 8);
-    const uint64_t* bufs[8];
-    int64_t gsize[8];
-    for (int g = 0; g < ngroups; ++g) {
-      gsize[g] = std::min<int64_t>(8, mt - 8 * g);
-      bufs[g] = ball + steps * 16 * (m0 + 8 * g);
+    PackedGroups groups;
+    groups.n = int((mt + 7) / 8);
+    for (int g = 0; g < groups.n; ++g) {
+      groups.size[g] = std::min<int64_t>(8, mt - 8 * g);
+      groups.buf[g] = ball + steps * 16 * (m0 + 8 * g);
     }
-    rows_amx<kFp8>(wl, r0, nr, bufs, gsize, ngroups, y + m0 * ldy, ldy, s);
+    rows_amx<kFp8>(wl, rows, groups, {y + m0 * ldy, ldy}, s);
   }
 }
 
@@ -433,17 +445,16 @@ DSV3_AMX double amx_peak_1thread(long iters) {
   return c[0] == 0.f ? double(iters) * 4 * 16 * 16 * 32 * 2 / dt : 0.0;
 }
 
-DSV3_AMX void matmul_amx(const float* x, int64_t M, int64_t ldx, const Linear& w, int64_t r0, int64_t nr, float* y,
-                         int64_t ldy, Scratch& s) {
-  if (M <= 0 || nr <= 0) return;
+DSV3_AMX void matmul_amx(Rows x, const Linear& w, RowRange rows, OutRows y, Scratch& s) {
+  if (x.n <= 0 || rows.n <= 0) return;
   // Up to 8 tokens (decode) the weights stream from memory and the AVX-512 FMA kernel keeps more
   // of the bandwidth (dsv3_kernel_bench, FP8 [488192 x 2048] from memory, 2 threads: M = 1: 9.5
   // vs 10.3 GB/s; M = 4: 8.1 vs 5.8; M = 8: 5.0 vs 5.9; bf16 M = 4: 12.3 vs 6.8); the tiles pay
   // once a converted block is shared by more tokens (prefill: 3x the FMA path's FLOP rate).
-  if (M <= 8) return matmul_avx512_entry(x, M, ldx, w, r0, nr, y, ldy, s);
-  if (w.weight.dtype == DType::F8_E4M3) return matmul_amx_t<true>(x, M, ldx, w, r0, nr, y, ldy, s);
-  if (w.weight.dtype == DType::BF16) return matmul_amx_t<false>(x, M, ldx, w, r0, nr, y, ldy, s);
-  matmul_avx512_entry(x, M, ldx, w, r0, nr, y, ldy, s);
+  if (x.n <= 8) return matmul_avx512_entry(x, w, rows, y, s);
+  if (w.weight.dtype == DType::F8_E4M3) return matmul_amx_t<true>(x, w, rows, y, s);
+  if (w.weight.dtype == DType::BF16) return matmul_amx_t<false>(x, w, rows, y, s);
+  matmul_avx512_entry(x, w, rows, y, s);
 }
 
 }  // namespace dsv3::cpu

@@ -262,13 +262,16 @@ DSV3_AVX2_INLINE void row_span(const char* row, int64_t k0, int64_t k1, int64_t 
   }
 }
 
-// y[m * ldy + r] = sum_k W[r][k] xs[m][k] for rows r < nr (row stride ldw elements), M tokens.
+// y[m][r] = sum_k W[r][k] xs[m][k] for rows r < nr (row stride ldw elements), M tokens.
 // Rows in memory order; when the M tokens' activations outgrow L1 (several tokens, long rows),
 // groups of 8 rows go through K in segments whose activations stay in L1, partial sums kept
 // between segments (each x load would otherwise come from L2 for every row).
 template <WT T, bool kInt, int M>
-DSV3_AVX2 void rows_direct(const char* w, int64_t ldw, int64_t nr, int64_t K, const float* xs, int64_t ldxs, float* y,
-                           int64_t ldy, const char* wend) {
+DSV3_AVX2 void rows_direct(const char* w, int64_t ldw, int64_t nr, int64_t K, Rows xr, OutRows yr,
+                           const char* wend) {
+  const float* xs = xr.p;
+  float* y = yr.p;
+  const int64_t ldxs = xr.ld, ldy = yr.ld;
   constexpr size_t esz = elem_size<T>();
   constexpr int64_t kStep = std::max<int64_t>(32, 64 / int64_t(esz));
   constexpr int NA = chains<T, M>(), kGroup = 8;
@@ -307,17 +310,17 @@ DSV3_AVX2 void rows_direct(const char* w, int64_t ldw, int64_t nr, int64_t K, co
 }
 
 template <WT T, bool kInt>
-DSV3_AVX2 void rows_direct_m(const char* w, int64_t ldw, int64_t nr, int64_t K, const float* xs, int64_t ldxs, int64_t M,
-                             float* y, int64_t ldy, const char* wend) {
-  switch (M) {
-    case 1: return rows_direct<T, kInt, 1>(w, ldw, nr, K, xs, ldxs, y, ldy, wend);
-    case 2: return rows_direct<T, kInt, 2>(w, ldw, nr, K, xs, ldxs, y, ldy, wend);
-    case 3: return rows_direct<T, kInt, 3>(w, ldw, nr, K, xs, ldxs, y, ldy, wend);
-    case 4: return rows_direct<T, kInt, 4>(w, ldw, nr, K, xs, ldxs, y, ldy, wend);
-    case 5: return rows_direct<T, kInt, 5>(w, ldw, nr, K, xs, ldxs, y, ldy, wend);
-    case 6: return rows_direct<T, kInt, 6>(w, ldw, nr, K, xs, ldxs, y, ldy, wend);
-    case 7: return rows_direct<T, kInt, 7>(w, ldw, nr, K, xs, ldxs, y, ldy, wend);
-    default: return rows_direct<T, kInt, 8>(w, ldw, nr, K, xs, ldxs, y, ldy, wend);
+DSV3_AVX2 void rows_direct_m(const char* w, int64_t ldw, int64_t nr, int64_t K, Rows xs, OutRows y,
+                             const char* wend) {
+  switch (xs.n) {
+    case 1: return rows_direct<T, kInt, 1>(w, ldw, nr, K, xs, y, wend);
+    case 2: return rows_direct<T, kInt, 2>(w, ldw, nr, K, xs, y, wend);
+    case 3: return rows_direct<T, kInt, 3>(w, ldw, nr, K, xs, y, wend);
+    case 4: return rows_direct<T, kInt, 4>(w, ldw, nr, K, xs, y, wend);
+    case 5: return rows_direct<T, kInt, 5>(w, ldw, nr, K, xs, y, wend);
+    case 6: return rows_direct<T, kInt, 6>(w, ldw, nr, K, xs, y, wend);
+    case 7: return rows_direct<T, kInt, 7>(w, ldw, nr, K, xs, y, wend);
+    default: return rows_direct<T, kInt, 8>(w, ldw, nr, K, xs, y, wend);
   }
 }
 
@@ -332,8 +335,10 @@ DSV3_AVX2 void prefetch_start(const char* p, const char* wend) {
 }
 
 template <WT T>
-DSV3_AVX2 void matmul_few(const float* x, int64_t M, int64_t ldx, const Linear& wl, int64_t r0, int64_t nr, float* y,
-                          int64_t ldy, Scratch& s) {
+DSV3_AVX2 void matmul_few(Rows xr, const Linear& wl, RowRange rows, OutRows yr, Scratch& s) {
+  const float* x = xr.p;
+  float* y = yr.p;
+  const int64_t M = xr.n, ldx = xr.ld, r0 = rows.r0, nr = rows.n, ldy = yr.ld;
   constexpr size_t esz = elem_size<T>();
   const int64_t K = wl.in(), Kp = round32(K);
   const char* base = static_cast<const char*>(wl.weight.data);
@@ -354,17 +359,17 @@ DSV3_AVX2 void matmul_few(const float* x, int64_t M, int64_t ldx, const Linear& 
       }
       const char* wr = base + size_t(r * K);
       if (use_int) {
-        rows_direct_m<T, true>(wr, K, re - r, K, xs, Kp, M, y + (r - r0), ldy, wend);
+        rows_direct_m<T, true>(wr, K, re - r, K, {xs, M, Kp}, {y + (r - r0), ldy}, wend);
       } else {
         for (int64_t j = 0; j < kb; ++j) f[j] = sc[nb * kb + j] * 256.f;
         pack_x<Ord::kNatural>(x, M, ldx, K, f, xs, Kp);
-        rows_direct_m<T, false>(wr, K, re - r, K, xs, Kp, M, y + (r - r0), ldy, wend);
+        rows_direct_m<T, false>(wr, K, re - r, K, {xs, M, Kp}, {y + (r - r0), ldy}, wend);
       }
       r = re;
     }
   } else {
     pack_x<order_of<T, false>()>(x, M, ldx, K, nullptr, xs, Kp);
-    rows_direct_m<T, false>(base + size_t(r0 * K) * esz, K, nr, K, xs, Kp, M, y, ldy, wend);
+    rows_direct_m<T, false>(base + size_t(r0 * K) * esz, K, nr, K, {xs, M, Kp}, {y, ldy}, wend);
   }
 }
 
@@ -479,11 +484,15 @@ struct Out {
   float alpha;           // y = alpha * product (not with add)
 };
 
-// NT tokens x 16 columns over kc: x rows at xb + t * ldxb, the panel a; nj (<= 16) valid columns.
-// add: add y's partial sums; alpha: scale the total (1 for a partial block).
+// NT tokens x 16 columns over kc: x rows at xb + t * ldxb, the panel a; nj (<= 16) valid columns,
+// written to o (its y at the tile's first element). o.add: add y's partial sums; o.alpha: scale
+// the total (1 for a partial block).
 template <int NT>
-DSV3_AVX2 void tile16(const float* a, const float* xb, int64_t ldxb, int64_t kc, float* y, int64_t ldy, bool transposed,
-                      int64_t nj, bool add, float alpha) {
+DSV3_AVX2 void tile16(const float* a, const float* xb, int64_t ldxb, int64_t kc, int64_t nj, Out o) {
+  float* y = o.y;
+  const int64_t ldy = o.ldy;
+  const bool transposed = o.transposed, add = o.add;
+  const float alpha = o.alpha;
   __m256 acc[NT][2];
   DSV3_UNROLL2
   for (int t = 0; t < NT; ++t) acc[t][0] = acc[t][1] = _mm256_setzero_ps();
@@ -526,8 +535,9 @@ DSV3_AVX2 void tile16(const float* a, const float* xb, int64_t ldxb, int64_t kc,
 
 // pack(j0, nj, k0, kc, panel) writes A's block (columns [j0, j0 + nj), k in [k0, k0 + kc)).
 template <class Pack>
-DSV3_AVX2 void gemm_blocked(const float* x, int64_t M, int64_t ldx, int64_t K, int64_t N, Pack&& pack, const Out& o,
-                            Scratch& s) {
+DSV3_AVX2 void gemm_blocked(Rows xr, int64_t K, int64_t N, Pack&& pack, const Out& o, Scratch& s) {
+  const float* x = xr.p;
+  const int64_t M = xr.n, ldx = xr.ld;
   const int64_t kcmax = std::min(kKC, K);
   float* panel = s.get<float>(0, size_t(kNC * round8(kcmax)));
   float* xb = s.get<float>(1, size_t(std::min(M, kMC) * kcmax));
@@ -547,14 +557,15 @@ DSV3_AVX2 void gemm_blocked(const float* x, int64_t M, int64_t ldx, int64_t K, i
           for (int64_t m = 0; m < mn; m += kTileTokens) {
             const int64_t mm = mc + m, jj = j0 + 16 * g;
             float* yt = o.transposed ? o.y + jj * o.ldy + mm : o.y + mm * o.ldy + jj;
+            const Out ot{yt, o.ldy, o.transposed, add, alpha};
             const float* xt = xb + m * kc;
             switch (std::min<int64_t>(kTileTokens, mn - m)) {
-              case 1: tile16<1>(a, xt, kc, kc, yt, o.ldy, o.transposed, jn, add, alpha); break;
-              case 2: tile16<2>(a, xt, kc, kc, yt, o.ldy, o.transposed, jn, add, alpha); break;
-              case 3: tile16<3>(a, xt, kc, kc, yt, o.ldy, o.transposed, jn, add, alpha); break;
-              case 4: tile16<4>(a, xt, kc, kc, yt, o.ldy, o.transposed, jn, add, alpha); break;
-              case 5: tile16<5>(a, xt, kc, kc, yt, o.ldy, o.transposed, jn, add, alpha); break;
-              default: tile16<6>(a, xt, kc, kc, yt, o.ldy, o.transposed, jn, add, alpha); break;
+              case 1: tile16<1>(a, xt, kc, kc, jn, ot); break;
+              case 2: tile16<2>(a, xt, kc, kc, jn, ot); break;
+              case 3: tile16<3>(a, xt, kc, kc, jn, ot); break;
+              case 4: tile16<4>(a, xt, kc, kc, jn, ot); break;
+              case 5: tile16<5>(a, xt, kc, kc, jn, ot); break;
+              default: tile16<6>(a, xt, kc, kc, jn, ot); break;
             }
           }
         }
@@ -672,12 +683,11 @@ DSV3_AVX2 void widen_row(const WSrc& w, int64_t row, float* out) {
 
 // Many tokens: rows [r0, r0 + nr) of w against M tokens.
 template <WT T>
-DSV3_AVX2 void matmul_many(const float* x, int64_t M, int64_t ldx, const Linear& w, int64_t r0, int64_t nr, float* y,
-                           int64_t ldy, Scratch& s) {
+DSV3_AVX2 void matmul_many(Rows x, const Linear& w, RowRange rows, OutRows y, Scratch& s) {
   const WSrc src = wsrc<T>(w);
-  gemm_blocked(x, M, ldx, w.in(), nr, [&](int64_t j0, int64_t nj, int64_t k0, int64_t kc, float* p) DSV3_AVX2 {
-    pack_rows<T>(src, r0, j0, nj, k0, kc, p);
-  }, Out{y, ldy, false, false, 1.f}, s);
+  gemm_blocked(x, w.in(), rows.n, [&](int64_t j0, int64_t nj, int64_t k0, int64_t kc, float* p) DSV3_AVX2 {
+    pack_rows<T>(src, rows.r0, j0, nj, k0, kc, p);
+  }, Out{y.p, y.ld, false, false, 1.f}, s);
 }
 
 // f(WT constant) for w's weight dtype.
@@ -692,12 +702,11 @@ DSV3_AVX2_INLINE void by_dtype(const Linear& w, const char* op, F&& f) {
   }
 }
 
-DSV3_AVX2 void matmul_avx2(const float* x, int64_t M, int64_t ldx, const Linear& w, int64_t r0, int64_t nr, float* y,
-                           int64_t ldy, Scratch& s) {
-  if (M <= 0 || nr <= 0) return;
+DSV3_AVX2 void matmul_avx2(Rows x, const Linear& w, RowRange rows, OutRows y, Scratch& s) {
+  if (x.n <= 0 || rows.n <= 0) return;
   by_dtype(w, "matmul", [&](auto t) DSV3_AVX2 {
-    if (M > 8) return matmul_many<decltype(t)::value>(x, M, ldx, w, r0, nr, y, ldy, s);
-    matmul_few<decltype(t)::value>(x, M, ldx, w, r0, nr, y, ldy, s);
+    if (x.n > 8) return matmul_many<decltype(t)::value>(x, w, rows, y, s);
+    matmul_few<decltype(t)::value>(x, w, rows, y, s);
   });
 }
 
@@ -708,15 +717,17 @@ DSV3_AVX2 void axpy_avx2(float alpha, const float* x, int64_t n, float* y) {
   for (; i < n; ++i) y[i] += alpha * x[i];
 }
 
-DSV3_AVX2 void matmul_t_avx2(const float* x, int64_t M, int64_t ldx, const Linear& w, int64_t d0, int64_t nd, float* y,
-                             int64_t ldy, Scratch& s) {
+DSV3_AVX2 void matmul_t_avx2(Rows xr, const Linear& w, RowRange rows, OutRows yr, Scratch& s) {
+  const float* x = xr.p;
+  float* y = yr.p;
+  const int64_t M = xr.n, ldx = xr.ld, d0 = rows.r0, nd = rows.n, ldy = yr.ld;
   if (M <= 0 || nd <= 0) return;
   if (M == 1) return by_dtype(w, "matmul_t", [&](auto t) DSV3_AVX2 { matmul_t1<decltype(t)::value>(x, w, d0, nd, y, s); });
   const int64_t C = w.in();
   if (M > 8)
     return by_dtype(w, "matmul_t", [&](auto t) DSV3_AVX2 {
       const WSrc src = wsrc<decltype(t)::value>(w);
-      gemm_blocked(x, M, ldx, nd, C, [&](int64_t j0, int64_t nj, int64_t k0, int64_t kc, float* p) DSV3_AVX2 {
+      gemm_blocked(xr, nd, C, [&](int64_t j0, int64_t nj, int64_t k0, int64_t kc, float* p) DSV3_AVX2 {
         pack_cols<decltype(t)::value>(src, d0, j0, nj, k0, kc, p);
       }, Out{y, ldy, false, false, 1.f}, s);
     });
@@ -751,36 +762,33 @@ Scratch& f32_scratch() {
 
 // Beyond 8 rows of a (prefill: a token's heads): b's rows are the blocked product's tokens, a
 // the packed side, c written transposed.
-DSV3_AVX2 void gemm_nt_f32_avx2(const float* a, int64_t lda, const float* b, int64_t ldb, int64_t M, int64_t N,
-                                int64_t K, float alpha, float* c, int64_t ldc) {
-  if (M > 8) {
-    const WSrc src{reinterpret_cast<const char*>(a), lda, K};
-    return gemm_blocked(b, N, ldb, K, M, [&](int64_t j0, int64_t nj, int64_t k0, int64_t kc, float* p) DSV3_AVX2 {
+DSV3_AVX2 void gemm_nt_f32_avx2(Rows a, Rows b, int64_t K, float alpha, OutRows c) {
+  if (a.n > 8) {
+    const WSrc src{reinterpret_cast<const char*>(a.p), a.ld, K};
+    return gemm_blocked(b, K, a.n, [&](int64_t j0, int64_t nj, int64_t k0, int64_t kc, float* p) DSV3_AVX2 {
       pack_rows<WT::kF32>(src, 0, j0, nj, k0, kc, p);
-    }, Out{c, ldc, true, false, alpha}, f32_scratch());
+    }, Out{c.p, c.ld, true, false, alpha}, f32_scratch());
   }
-  for (int64_t i = 0; i < M; ++i)
-    for (int64_t j = 0; j < N; ++j) c[i * ldc + j] = alpha * dot_avx2(a + i * lda, b + j * ldb, K);
+  for (int64_t i = 0; i < a.n; ++i)
+    for (int64_t j = 0; j < b.n; ++j) c.p[i * c.ld + j] = alpha * dot_avx2(a.p + i * a.ld, b.p + j * b.ld, K);
 }
 
-DSV3_AVX2 void gemm_nn_acc_f32_avx2(const float* p, int64_t ldp, const float* v, int64_t ldv, int64_t M, int64_t N,
-                                    int64_t J, float* o, int64_t ldo) {
-  if (M > 8) {
-    const WSrc src{reinterpret_cast<const char*>(v), ldv, J};
-    return gemm_blocked(p, M, ldp, N, J, [&](int64_t j0, int64_t nj, int64_t k0, int64_t kc, float* pn) DSV3_AVX2 {
+DSV3_AVX2 void gemm_nn_acc_f32_avx2(Rows p, Rows v, int64_t J, OutRows o) {
+  if (p.n > 8) {
+    const WSrc src{reinterpret_cast<const char*>(v.p), v.ld, J};
+    return gemm_blocked(p, v.n, J, [&](int64_t j0, int64_t nj, int64_t k0, int64_t kc, float* pn) DSV3_AVX2 {
       pack_cols<WT::kF32>(src, 0, j0, nj, k0, kc, pn);
-    }, Out{o, ldo, false, true, 1.f}, f32_scratch());
+    }, Out{o.p, o.ld, false, true, 1.f}, f32_scratch());
   }
-  for (int64_t i = 0; i < M; ++i)
-    for (int64_t n = 0; n < N; ++n) axpy_avx2(p[i * ldp + n], v + n * ldv, J, o + i * ldo);
+  for (int64_t i = 0; i < p.n; ++i)
+    for (int64_t n = 0; n < v.n; ++n) axpy_avx2(p.p[i * p.ld + n], v.p + n * v.ld, J, o.p + i * o.ld);
 }
 
-DSV3_AVX2 void rmsnorm_avx2(const float* x, int64_t sx, int64_t n, int64_t d, const float* w, float eps, float* y,
-                            int64_t sy) {
-  for (int64_t i = 0; i < n; ++i) {
-    const float* xi = x + i * sx;
+DSV3_AVX2 void rmsnorm_avx2(Rows x, int64_t d, const float* w, float eps, OutRows y) {
+  for (int64_t i = 0; i < x.n; ++i) {
+    const float* xi = x.p + i * x.ld;
     const float r = 1.f / std::sqrt(dot_avx2(xi, xi, d) / float(d) + eps);
-    for (int64_t k = 0; k < d; ++k) y[i * sy + k] = xi[k] * r * w[k];
+    for (int64_t k = 0; k < d; ++k) y.p[i * y.ld + k] = xi[k] * r * w[k];
   }
 }
 

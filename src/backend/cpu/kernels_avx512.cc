@@ -94,10 +94,12 @@ constexpr PackPerm kPermNatural = make_pack_perm(kOrderNatural), kPermFp8 = make
 template <WT T>
 constexpr const PackPerm& perm_of() { return T == WT::kFp8 ? kPermFp8 : T == WT::kBf16 ? kPermPair : kPermNatural; }
 
-// xs[m][0 .. round64(K)) = x[m][k] * f[k / 128] (f == nullptr: 1), zero padded, each 64-chunk in
-// the order of `perm`.
-DSV3_AVX512 void pack_x(const float* x, int64_t M, int64_t ldx, int64_t K, const float* f, float* xs, int64_t ldxs,
-                        const PackPerm& perm) {
+// xs[m][0 .. round64(K)) = x[m][k] * f[k / 128] (m < x.n; f == nullptr: 1), zero padded, each
+// 64-chunk in the order of `perm`.
+DSV3_AVX512 void pack_x(Rows xr, int64_t K, const float* f, OutRows xsr, const PackPerm& perm) {
+  const float* x = xr.p;
+  float* xs = xsr.p;
+  const int64_t M = xr.n, ldx = xr.ld, ldxs = xsr.ld;
   const bool identity = &perm == &kPermNatural;
   __m512i idx[4];
   DSV3_UNROLL
@@ -127,10 +129,17 @@ DSV3_AVX512 void pack_x(const float* x, int64_t M, int64_t ldx, int64_t K, const
 }
 
 // --- direct kernel (few tokens): each 64-weight chunk converted once, used by all M tokens --------------
-// y[m*ldy + r] = sum_k W[r][k] xs[m][k] for R rows (row stride ldw elements) and M tokens.
+// The weight rows a kernel streams: nr rows of K weights (of the kernel's type), row r at p + r * ld
+// elements.
+struct WRows {
+  const void* p;
+  int64_t ld, nr, K;
+};
+
+// y[m][r] = sum_k W[r][k] xs[m][k] for R rows (row stride ldw elements) and M tokens.
 template <WT T, int R, int M, int NA, bool kTail>
-DSV3_AVX512_INLINE void mk_direct_step(const char* wb, int64_t ldw, int64_t pf, int64_t k0, int64_t n, const float* xs,
-                                       int64_t ldxs, const Fp8Consts& cst, __m512 (&acc)[R][M][NA]) {
+DSV3_AVX512_INLINE void mk_direct_step(const char* wb, int64_t ldw, int64_t pf, int64_t k0, int64_t n, Rows xs,
+                                       const Fp8Consts& cst, __m512 (&acc)[R][M][NA]) {
   constexpr size_t esz = elem_size<T>();
   DSV3_UNROLL
   for (int r = 0; r < R; ++r) {
@@ -143,7 +152,7 @@ DSV3_AVX512_INLINE void mk_direct_step(const char* wb, int64_t ldw, int64_t pf, 
     load64<T>(wb + size_t(r * ldw) * esz, k0, kTail ? n : 64, cst, v);
     DSV3_UNROLL
     for (int m = 0; m < M; ++m) {
-      const float* xm = xs + m * ldxs + k0;
+      const float* xm = xs.p + m * xs.ld + k0;
       DSV3_UNROLL
       for (int q = 0; q < 4; ++q)
         acc[r][m][q % NA] = _mm512_fmadd_ps(v[q], _mm512_loadu_ps(xm + 16 * q), acc[r][m][q % NA]);
@@ -152,8 +161,9 @@ DSV3_AVX512_INLINE void mk_direct_step(const char* wb, int64_t ldw, int64_t pf, 
 }
 
 template <WT T, int R, int M>
-DSV3_AVX512 void mk_direct(const void* w, int64_t ldw, int64_t pf, int64_t K, const float* xs, int64_t ldxs, float* y,
+DSV3_AVX512 void mk_direct(const void* w, int64_t ldw, int64_t pf, int64_t K, const float* xp, int64_t ldxs, float* y,
                            int64_t ldy) {
+  const Rows xs{xp, M, ldxs};
   constexpr int NA = M <= 2 ? 2 : 1;  // two chains per (row, token) when there are few of them
   const Fp8Consts cst = fp8_consts();
   __m512 acc[R][M][NA];
@@ -165,8 +175,8 @@ DSV3_AVX512 void mk_direct(const void* w, int64_t ldw, int64_t pf, int64_t K, co
       for (int a = 0; a < NA; ++a) acc[r][m][a] = _mm512_setzero_ps();
   const char* wb = static_cast<const char*>(w);
   const int64_t kfull = K / 64 * 64;
-  for (int64_t k0 = 0; k0 < kfull; k0 += 64) mk_direct_step<T, R, M, NA, false>(wb, ldw, pf, k0, 64, xs, ldxs, cst, acc);
-  if (kfull < K) mk_direct_step<T, R, M, NA, true>(wb, ldw, pf, kfull, K - kfull, xs, ldxs, cst, acc);
+  for (int64_t k0 = 0; k0 < kfull; k0 += 64) mk_direct_step<T, R, M, NA, false>(wb, ldw, pf, k0, 64, xs, cst, acc);
+  if (kfull < K) mk_direct_step<T, R, M, NA, true>(wb, ldw, pf, kfull, K - kfull, xs, cst, acc);
   DSV3_UNROLL
   for (int m = 0; m < M; ++m) {
     __m512 s[R];
@@ -236,21 +246,23 @@ DSV3_AVX512 void seq_rows1(const void* w, int64_t ldw, int64_t nr, int64_t K, co
 }
 
 template <WT T, int M>
-DSV3_AVX512 void direct_rows(const void* w, int64_t ldw, int64_t nr, int64_t K, const float* xs, int64_t ldxs, float* y,
-                             int64_t ldy) {
+DSV3_AVX512 void direct_rows(const void* w, int64_t ldw, int64_t nr, int64_t K, Rows xs, OutRows y) {
   constexpr size_t esz = elem_size<T>();
   const char* wb = static_cast<const char*>(w);
   // Prefetch at least ~8 KB ahead: one 4-row group of long rows, several of short ones.
   const int64_t pf = 4 * std::max<int64_t>(1, int64_t(kPrefetchBytes / (4 * size_t(ldw) * esz)));
   int64_t r = 0;
-  for (; r + 4 <= nr; r += 4) mk_direct<T, 4, M>(wb + size_t(r * ldw) * esz, ldw, pf, K, xs, ldxs, y + r, ldy);
-  for (; r < nr; ++r) mk_direct<T, 1, M>(wb + size_t(r * ldw) * esz, ldw, pf, K, xs, ldxs, y + r, ldy);
+  for (; r + 4 <= nr; r += 4) mk_direct<T, 4, M>(wb + size_t(r * ldw) * esz, ldw, pf, K, xs.p, xs.ld, y.p + r, y.ld);
+  for (; r < nr; ++r) mk_direct<T, 1, M>(wb + size_t(r * ldw) * esz, ldw, pf, K, xs.p, xs.ld, y.p + r, y.ld);
 }
 
 // Up to 8 tokens: passes of at most 4 over 64-row groups (the second pass finds them in cache).
 template <WT T>
-DSV3_AVX512 void direct_tokens(const void* w, int64_t ldw, int64_t nr, int64_t K, const float* xs, int64_t ldxs,
-                               int64_t M, float* y, int64_t ldy, const char* wend, bool first) {
+DSV3_AVX512 void direct_tokens(WRows wr, Rows xr, OutRows yr, const char* wend, bool first) {
+  const void* w = wr.p;
+  const float* xs = xr.p;
+  float* y = yr.p;
+  const int64_t ldw = wr.ld, nr = wr.nr, K = wr.K, ldxs = xr.ld, M = xr.n, ldy = yr.ld;
   constexpr size_t esz = elem_size<T>();
   // The start of a call is not covered by the kernels' look-ahead prefetch (later row blocks of
   // the same call are: `first` is false for them at one token).
@@ -272,16 +284,17 @@ DSV3_AVX512 void direct_tokens(const void* w, int64_t ldw, int64_t nr, int64_t K
   }
   if (M == 1) return seq_rows1<T>(w, ldw, nr, K, xs, y, wend);
   for (int64_t rb = 0; rb < nr; rb += 64) {
-    const void* wr = static_cast<const char*>(w) + size_t(rb * ldw) * esz;
+    const void* wb = static_cast<const char*>(w) + size_t(rb * ldw) * esz;
     const int64_t n = std::min<int64_t>(64, nr - rb);
     for (int64_t m = 0; m < M; m += 4) {
-      const float* xm = xs + m * ldxs;
-      float* ym = y + m * ldy + rb;
-      switch (std::min<int64_t>(4, M - m)) {
-        case 1: direct_rows<T, 1>(wr, ldw, n, K, xm, ldxs, ym, ldy); break;
-        case 2: direct_rows<T, 2>(wr, ldw, n, K, xm, ldxs, ym, ldy); break;
-        case 3: direct_rows<T, 3>(wr, ldw, n, K, xm, ldxs, ym, ldy); break;
-        default: direct_rows<T, 4>(wr, ldw, n, K, xm, ldxs, ym, ldy); break;
+      const int64_t mn = std::min<int64_t>(4, M - m);
+      const Rows xm{xs + m * ldxs, mn, ldxs};
+      const OutRows ym{y + m * ldy + rb, ldy};
+      switch (mn) {
+        case 1: direct_rows<T, 1>(wb, ldw, n, K, xm, ym); break;
+        case 2: direct_rows<T, 2>(wb, ldw, n, K, xm, ym); break;
+        case 3: direct_rows<T, 3>(wb, ldw, n, K, xm, ym); break;
+        default: direct_rows<T, 4>(wb, ldw, n, K, xm, ym); break;
       }
     }
   }
@@ -318,8 +331,10 @@ DSV3_AVX512 void mk_panel(const float* p, int64_t ldp, const float* xs, int64_t 
 }
 
 template <int R>
-DSV3_AVX512 void panel_tokens(const float* p, int64_t ldp, const float* xs, int64_t ldxs, int64_t M, int64_t Kp, float* y,
-                              int64_t ldy) {
+DSV3_AVX512 void panel_tokens(const float* p, int64_t ldp, Rows xr, int64_t Kp, OutRows yr) {
+  const float* xs = xr.p;
+  float* y = yr.p;
+  const int64_t ldxs = xr.ld, M = xr.n, ldy = yr.ld;
   int64_t m = 0;
   for (; m + 6 <= M; m += 6) mk_panel<R, 6>(p, ldp, xs + m * ldxs, ldxs, Kp, y + m * ldy, ldy);
   const float* xm = xs + m * ldxs;
@@ -334,12 +349,11 @@ DSV3_AVX512 void panel_tokens(const float* p, int64_t ldp, const float* xs, int6
   }
 }
 
-// Rows [0, nr) of float32 rows (stride ldp, Kp padded columns) for M tokens.
-DSV3_AVX512 void panel_rows(const float* p, int64_t ldp, int64_t nr, const float* xs, int64_t ldxs, int64_t M, int64_t Kp,
-                            float* y, int64_t ldy) {
+// Rows [0, nr) of float32 rows (stride ldp, Kp padded columns) for the xs.n tokens.
+DSV3_AVX512 void panel_rows(const float* p, int64_t ldp, int64_t nr, Rows xs, int64_t Kp, OutRows y) {
   int64_t r = 0;
-  for (; r + 4 <= nr; r += 4) panel_tokens<4>(p + r * ldp, ldp, xs, ldxs, M, Kp, y + r, ldy);
-  for (; r < nr; ++r) panel_tokens<1>(p + r * ldp, ldp, xs, ldxs, M, Kp, y + r, ldy);
+  for (; r + 4 <= nr; r += 4) panel_tokens<4>(p + r * ldp, ldp, xs, Kp, {y.p + r, y.ld});
+  for (; r < nr; ++r) panel_tokens<1>(p + r * ldp, ldp, xs, Kp, {y.p + r, y.ld});
 }
 
 template <WT T>
@@ -364,25 +378,26 @@ int64_t token_tile(int64_t M, int64_t Kp) {
 }
 
 template <WT T>
-DSV3_AVX512 void rows_any(const void* w, int64_t ldw, int64_t nr, int64_t K, const float* xs, int64_t ldxs, int64_t M,
-                          float* y, int64_t ldy, Scratch& s, const char* wend, bool first) {
-  if (M <= 8) {
-    direct_tokens<T>(w, ldw, nr, K, xs, ldxs, M, y, ldy, wend, first);
+DSV3_AVX512 void rows_any(WRows w, Rows xs, OutRows y, Scratch& s, const char* wend, bool first) {
+  if (xs.n <= 8) {
+    direct_tokens<T>(w, xs, y, wend, first);
     return;
   }
   constexpr size_t esz = elem_size<T>();
-  const int64_t Kp = round64(K);
+  const int64_t Kp = round64(w.K);
   float* panel = s.get<float>(2, size_t(4 * Kp));
-  for (int64_t p = 0; p < nr; p += 4) {
-    const int64_t np = std::min<int64_t>(4, nr - p);
-    to_panel<T>(static_cast<const char*>(w) + size_t(p * ldw) * esz, ldw, np, K, panel, Kp);
-    panel_rows(panel, Kp, np, xs, ldxs, M, Kp, y + p, ldy);
+  for (int64_t p = 0; p < w.nr; p += 4) {
+    const int64_t np = std::min<int64_t>(4, w.nr - p);
+    to_panel<T>(static_cast<const char*>(w.p) + size_t(p * w.ld) * esz, w.ld, np, w.K, panel, Kp);
+    panel_rows(panel, Kp, np, xs, Kp, {y.p + p, y.ld});
   }
 }
 
 template <WT T>
-DSV3_AVX512 void matmul_dt(const float* x, int64_t M, int64_t ldx, const Linear& wl, int64_t r0, int64_t nr, float* y,
-                           int64_t ldy, Scratch& s) {
+DSV3_AVX512 void matmul_dt(Rows xr, const Linear& wl, RowRange rows, OutRows yr, Scratch& s) {
+  const float* x = xr.p;
+  float* y = yr.p;
+  const int64_t M = xr.n, ldx = xr.ld, r0 = rows.r0, nr = rows.n, ldy = yr.ld;
   const int64_t K = wl.in(), Kp = round64(K), mt = M <= 8 ? M : token_tile(M, Kp);
   float* xs = s.get<float>(0, size_t(mt * Kp));
   if constexpr (T == WT::kFp8) {
@@ -395,8 +410,8 @@ DSV3_AVX512 void matmul_dt(const float* x, int64_t M, int64_t ldx, const Linear&
       for (int64_t j = 0; j < kb; ++j) f[j] = sc[nb * kb + j] * 256.f;
       for (int64_t m0 = 0; m0 < M; m0 += mt) {
         const int64_t mm = std::min(mt, M - m0);
-        pack_x(x + m0 * ldx, mm, ldx, K, f, xs, Kp, perm_of<T>());
-        rows_any<T>(w + r * K, K, re - r, K, xs, Kp, mm, y + m0 * ldy + (r - r0), ldy, s,
+        pack_x({x + m0 * ldx, mm, ldx}, K, f, {xs, Kp}, perm_of<T>());
+        rows_any<T>({w + r * K, K, re - r, K}, {xs, mm, Kp}, {y + m0 * ldy + (r - r0), ldy}, s,
                     reinterpret_cast<const char*>(w + (r0 + nr) * K), r == r0);
       }
       r = re;
@@ -406,20 +421,19 @@ DSV3_AVX512 void matmul_dt(const float* x, int64_t M, int64_t ldx, const Linear&
     const char* w = static_cast<const char*>(wl.weight.data) + size_t(r0 * K) * esz;
     for (int64_t m0 = 0; m0 < M; m0 += mt) {
       const int64_t mm = std::min(mt, M - m0);
-      pack_x(x + m0 * ldx, mm, ldx, K, nullptr, xs, Kp, perm_of<T>());
-      rows_any<T>(w, K, nr, K, xs, Kp, mm, y + m0 * ldy, ldy, s, w + size_t(nr * K) * esz, true);
+      pack_x({x + m0 * ldx, mm, ldx}, K, nullptr, {xs, Kp}, perm_of<T>());
+      rows_any<T>({w, K, nr, K}, {xs, mm, Kp}, {y + m0 * ldy, ldy}, s, w + size_t(nr * K) * esz, true);
     }
   }
 }
 
-DSV3_AVX512 void matmul_avx512(const float* x, int64_t M, int64_t ldx, const Linear& wl, int64_t r0, int64_t nr,
-                               float* y, int64_t ldy, Scratch& s) {
-  if (M <= 0 || nr <= 0) return;
+DSV3_AVX512 void matmul_avx512(Rows x, const Linear& wl, RowRange rows, OutRows y, Scratch& s) {
+  if (x.n <= 0 || rows.n <= 0) return;
   switch (wl.weight.dtype) {
-    case DType::F8_E4M3: return matmul_dt<WT::kFp8>(x, M, ldx, wl, r0, nr, y, ldy, s);
-    case DType::BF16: return matmul_dt<WT::kBf16>(x, M, ldx, wl, r0, nr, y, ldy, s);
-    case DType::F16: return matmul_dt<WT::kF16>(x, M, ldx, wl, r0, nr, y, ldy, s);
-    case DType::F32: return matmul_dt<WT::kF32>(x, M, ldx, wl, r0, nr, y, ldy, s);
+    case DType::F8_E4M3: return matmul_dt<WT::kFp8>(x, wl, rows, y, s);
+    case DType::BF16: return matmul_dt<WT::kBf16>(x, wl, rows, y, s);
+    case DType::F16: return matmul_dt<WT::kF16>(x, wl, rows, y, s);
+    case DType::F32: return matmul_dt<WT::kF32>(x, wl, rows, y, s);
     default: fail("matmul: unsupported weight dtype ", dtype_name(wl.weight.dtype));
   }
 }
@@ -428,8 +442,10 @@ DSV3_AVX512 void matmul_avx512(const float* x, int64_t M, int64_t ldx, const Lin
 // Few tokens: each row chunk is converted once and meets the broadcast x[m][d] (times the block
 // scale of (d, c), folded per 128-column block) in M tokens' accumulators.
 template <WT T, int M>
-DSV3_AVX512 void t_direct(const float* x, int64_t ldx, const Linear& wl, int64_t d0, int64_t nd, float* y, int64_t ldy,
-                          Scratch& s) {
+DSV3_AVX512 void t_direct(Rows xr, const Linear& wl, RowRange rows, OutRows yr, Scratch& s) {
+  const float* x = xr.p;
+  float* y = yr.p;
+  const int64_t ldx = xr.ld, d0 = rows.r0, nd = rows.n, ldy = yr.ld;
   constexpr size_t esz = elem_size<T>();
   const int64_t C = wl.in(), kb = ceil_div(C, kBlock);
   const char* w = static_cast<const char*>(wl.weight.data);
@@ -478,8 +494,9 @@ DSV3_AVX512 void t_direct(const float* x, int64_t ldx, const Linear& wl, int64_t
 // once, contiguously, with the rows a few ahead prefetched (the generic form above reads 64
 // columns of each row per pass: 64-byte pieces at the row stride, which no prefetcher follows).
 template <WT T, bool kFull>
-DSV3_AVX512_INLINE void t_one_pass(const char* w, int64_t C, int64_t d0, int64_t nd, int64_t p0, int64_t pc,
-                                   const float* xs, const Fp8Consts& cst, float* y) {
+DSV3_AVX512_INLINE void t_one_pass(const char* w, int64_t C, RowRange rows, int64_t p0, int64_t pc, const float* xs,
+                                   const Fp8Consts& cst, float* y) {
+  const int64_t d0 = rows.r0, nd = rows.n;
   constexpr size_t esz = elem_size<T>();
   constexpr int64_t kAhead = 12;  // rows
   // (The first rows are prefetched before the loop.)
@@ -526,7 +543,8 @@ DSV3_AVX512_INLINE void t_one_pass(const char* w, int64_t C, int64_t d0, int64_t
 }
 
 template <WT T>
-DSV3_AVX512 void t_direct1(const float* x, const Linear& wl, int64_t d0, int64_t nd, float* y, Scratch& s) {
+DSV3_AVX512 void t_direct1(const float* x, const Linear& wl, RowRange rows, float* y, Scratch& s) {
+  const int64_t d0 = rows.r0, nd = rows.n;
   const int64_t C = wl.in(), kb = ceil_div(C, kBlock);
   const char* w = static_cast<const char*>(wl.weight.data);
   const Fp8Consts cst = fp8_consts();
@@ -544,32 +562,34 @@ DSV3_AVX512 void t_direct1(const float* x, const Linear& wl, int64_t d0, int64_t
         }
       }
     if (pc == 256) {
-      t_one_pass<T, true>(w, C, d0, nd, p0, pc, xs, cst, y);
+      t_one_pass<T, true>(w, C, rows, p0, pc, xs, cst, y);
     } else {
-      t_one_pass<T, false>(w, C, d0, nd, p0, pc, xs, cst, y);
+      t_one_pass<T, false>(w, C, rows, p0, pc, xs, cst, y);
     }
   }
 }
 
 template <WT T>
-DSV3_AVX512 void t_direct_tokens(const float* x, int64_t M, int64_t ldx, const Linear& wl, int64_t d0, int64_t nd,
-                                 float* y, int64_t ldy, Scratch& s) {
-  if (M == 1) return t_direct1<T>(x, wl, d0, nd, y, s);
-  for (int64_t m = 0; m < M; m += 4) {
-    const float* xm = x + m * ldx;
-    float* ym = y + m * ldy;
-    switch (std::min<int64_t>(4, M - m)) {
-      case 1: t_direct<T, 1>(xm, ldx, wl, d0, nd, ym, ldy, s); break;
-      case 2: t_direct<T, 2>(xm, ldx, wl, d0, nd, ym, ldy, s); break;
-      case 3: t_direct<T, 3>(xm, ldx, wl, d0, nd, ym, ldy, s); break;
-      default: t_direct<T, 4>(xm, ldx, wl, d0, nd, ym, ldy, s); break;
+DSV3_AVX512 void t_direct_tokens(Rows x, const Linear& wl, RowRange rows, OutRows y, Scratch& s) {
+  if (x.n == 1) return t_direct1<T>(x.p, wl, rows, y.p, s);
+  for (int64_t m = 0; m < x.n; m += 4) {
+    const int64_t mn = std::min<int64_t>(4, x.n - m);
+    const Rows xm{x.p + m * x.ld, mn, x.ld};
+    const OutRows ym{y.p + m * y.ld, y.ld};
+    switch (mn) {
+      case 1: t_direct<T, 1>(xm, wl, rows, ym, s); break;
+      case 2: t_direct<T, 2>(xm, wl, rows, ym, s); break;
+      case 3: t_direct<T, 3>(xm, wl, rows, ym, s); break;
+      default: t_direct<T, 4>(xm, wl, rows, ym, s); break;
     }
   }
 }
 
 // Many tokens: a transposed float32 copy of the block (scales applied), then the panel kernel.
-DSV3_AVX512 void matmul_t_generic(const float* x, int64_t M, int64_t ldx, const Linear& wl, int64_t d0, int64_t nd,
-                                  float* y, int64_t ldy, Scratch& s) {
+DSV3_AVX512 void matmul_t_generic(Rows xr, const Linear& wl, RowRange rows, OutRows yr, Scratch& s) {
+  const float* x = xr.p;
+  float* y = yr.p;
+  const int64_t M = xr.n, ldx = xr.ld, d0 = rows.r0, nd = rows.n, ldy = yr.ld;
   const int64_t C = wl.in(), ndp = round64(nd);
   float* wt = s.get<float>(3, size_t(C * ndp));
   const int64_t kb = ceil_div(C, kBlock);
@@ -588,20 +608,19 @@ DSV3_AVX512 void matmul_t_generic(const float* x, int64_t M, int64_t ldx, const 
   float* xs = s.get<float>(0, size_t(mt * ndp));
   for (int64_t m0 = 0; m0 < M; m0 += mt) {
     const int64_t mm = std::min(mt, M - m0);
-    pack_x(x + m0 * ldx, mm, ldx, nd, nullptr, xs, ndp, kPermNatural);
-    panel_rows(wt, ndp, C, xs, ndp, mm, ndp, y + m0 * ldy, ldy);
+    pack_x({x + m0 * ldx, mm, ldx}, nd, nullptr, {xs, ndp}, kPermNatural);
+    panel_rows(wt, ndp, C, {xs, mm, ndp}, ndp, {y + m0 * ldy, ldy});
   }
 }
 
-DSV3_AVX512 void matmul_t_avx512(const float* x, int64_t M, int64_t ldx, const Linear& wl, int64_t d0, int64_t nd,
-                                 float* y, int64_t ldy, Scratch& s) {
-  if (M <= 0 || nd <= 0) return;
-  if (M > 8) return matmul_t_generic(x, M, ldx, wl, d0, nd, y, ldy, s);
+DSV3_AVX512 void matmul_t_avx512(Rows x, const Linear& wl, RowRange rows, OutRows y, Scratch& s) {
+  if (x.n <= 0 || rows.n <= 0) return;
+  if (x.n > 8) return matmul_t_generic(x, wl, rows, y, s);
   switch (wl.weight.dtype) {
-    case DType::F8_E4M3: return t_direct_tokens<WT::kFp8>(x, M, ldx, wl, d0, nd, y, ldy, s);
-    case DType::BF16: return t_direct_tokens<WT::kBf16>(x, M, ldx, wl, d0, nd, y, ldy, s);
-    case DType::F16: return t_direct_tokens<WT::kF16>(x, M, ldx, wl, d0, nd, y, ldy, s);
-    case DType::F32: return t_direct_tokens<WT::kF32>(x, M, ldx, wl, d0, nd, y, ldy, s);
+    case DType::F8_E4M3: return t_direct_tokens<WT::kFp8>(x, wl, rows, y, s);
+    case DType::BF16: return t_direct_tokens<WT::kBf16>(x, wl, rows, y, s);
+    case DType::F16: return t_direct_tokens<WT::kF16>(x, wl, rows, y, s);
+    case DType::F32: return t_direct_tokens<WT::kF32>(x, wl, rows, y, s);
     default: fail("matmul_t: unsupported weight dtype ", dtype_name(wl.weight.dtype));
   }
 }
@@ -650,8 +669,10 @@ DSV3_AVX512 void nt_block(const float* a, int64_t lda, const float* b, int64_t l
   }
 }
 
-DSV3_AVX512 void gemm_nt_f32_avx512(const float* a, int64_t lda, const float* b, int64_t ldb, int64_t M, int64_t N,
-                                    int64_t K, float alpha, float* c, int64_t ldc) {
+DSV3_AVX512 void gemm_nt_f32_avx512(Rows ar, Rows br, int64_t K, float alpha, OutRows cr) {
+  const float *a = ar.p, *b = br.p;
+  float* c = cr.p;
+  const int64_t lda = ar.ld, ldb = br.ld, ldc = cr.ld, M = ar.n, N = br.n;
   int64_t i = 0;
   for (; i + 4 <= M; i += 4) {
     int64_t j = 0;
@@ -694,8 +715,10 @@ DSV3_AVX512 void nn_block(const float* p, int64_t ldp, const float* v, int64_t l
     for (int j = 0; j < 4; ++j) _mm512_mask_storeu_ps(o + i * ldo + 16 * j, km[j], acc[i][j]);
 }
 
-DSV3_AVX512 void gemm_nn_acc_f32_avx512(const float* p, int64_t ldp, const float* v, int64_t ldv, int64_t M, int64_t N,
-                                        int64_t J, float* o, int64_t ldo) {
+DSV3_AVX512 void gemm_nn_acc_f32_avx512(Rows pr, Rows vr, int64_t J, OutRows out) {
+  const float *p = pr.p, *v = vr.p;
+  float* o = out.p;
+  const int64_t ldp = pr.ld, ldv = vr.ld, ldo = out.ld, M = pr.n, N = vr.n;
   for (int64_t j0 = 0; j0 < J; j0 += 64) {
     const int64_t jj = std::min<int64_t>(64, J - j0);
     int64_t i = 0;
@@ -705,10 +728,9 @@ DSV3_AVX512 void gemm_nn_acc_f32_avx512(const float* p, int64_t ldp, const float
 }
 
 // --- element-wise ------------------------------------------------------------------------------------
-DSV3_AVX512 void rmsnorm_avx512(const float* x, int64_t sx, int64_t n, int64_t d, const float* w, float eps, float* y,
-                                int64_t sy) {
-  for (int64_t i = 0; i < n; ++i) {
-    const float* xi = x + i * sx;
+DSV3_AVX512 void rmsnorm_avx512(Rows x, int64_t d, const float* w, float eps, OutRows y) {
+  for (int64_t i = 0; i < x.n; ++i) {
+    const float* xi = x.p + i * x.ld;
     __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps();
     int64_t k = 0;
     for (; k + 32 <= d; k += 32) {
@@ -722,7 +744,7 @@ DSV3_AVX512 void rmsnorm_avx512(const float* x, int64_t sx, int64_t n, int64_t d
     }
     const float r = 1.f / std::sqrt(hsum(_mm512_add_ps(a0, a1)) / float(d) + eps);
     const __m512 rv = _mm512_set1_ps(r);
-    float* yi = y + i * sy;
+    float* yi = y.p + i * y.ld;
     for (k = 0; k < d; k += 16) {
       const __mmask16 km = tail_mask16(d - k);
       _mm512_mask_storeu_ps(yi + k, km,
@@ -800,11 +822,9 @@ DSV3_AVX512 float read_sum_avx512(const float* p, int64_t n) {
 }
 
 // The AVX-512 table with AMX tiles for FP8 / bf16 products (kernels_amx.cc).
-void matmul_amx(const float* x, int64_t M, int64_t ldx, const Linear& w, int64_t r0, int64_t nr, float* y, int64_t ldy,
-                Scratch& s);
-void matmul_avx512_entry(const float* x, int64_t M, int64_t ldx, const Linear& w, int64_t r0, int64_t nr, float* y,
-                         int64_t ldy, Scratch& s) {
-  matmul_avx512(x, M, ldx, w, r0, nr, y, ldy, s);
+void matmul_amx(Rows x, const Linear& w, RowRange rows, OutRows y, Scratch& s);
+void matmul_avx512_entry(Rows x, const Linear& w, RowRange rows, OutRows y, Scratch& s) {
+  matmul_avx512(x, w, rows, y, s);
 }
 
 const Kernels kAmxKernels = {Isa::kAmx,     matmul_amx,      matmul_t_avx512, gemm_nt_f32_avx512, gemm_nn_acc_f32_avx512,
