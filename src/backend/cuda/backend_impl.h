@@ -47,6 +47,10 @@ struct MoeTable {
   bool tc = false;            // every expert fits the pipelined kernel (tc_takes)
   bool k64 = false;           // ... with every K a multiple of 64 (its wgmma form)
   bool tcv = false;           // every expert fits the tensor-core GEMV (cuda::tcv_ok)
+  // The routed experts this rank holds, [local0, local1) (the others' weights are empty: expert
+  // parallelism); partial: not all of them (their rows of the expert output are zeroed, not run).
+  int local0 = 0, local1 = 0;
+  bool partial = false;
 };
 // The shared-expert slices a MoE layer is cut into (balancing the work with the routed experts).
 int shared_slices(const ModelArgs& a, const MoEWeights& w);
