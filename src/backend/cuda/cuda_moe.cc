@@ -224,7 +224,7 @@ void CudaBackend::route(const ModelArgs& a, const float* logits, const float* bi
   cuda::moe_route(L_, route_args(a), logits, bias, s, di, dw);
   CK(cudaMemcpyAsync(idx, di, size_t(n * K) * 4, cudaMemcpyDeviceToHost, stream_));
   CK(cudaMemcpyAsync(wts, dw, size_t(n * K) * 4, cudaMemcpyDeviceToHost, stream_));
-  CK(cudaStreamSynchronize(stream_));
+  sync();
 }
 
 }  // namespace dsv3::cuda_impl
