@@ -53,10 +53,14 @@ cat "$OUT/nvidia-smi.txt" | tee -a "$OUT/summary.txt"
 nvcc --version | tail -1 | tee -a "$OUT/summary.txt"
 g++ --version | head -1 | tee -a "$OUT/summary.txt"
 
-CXXFLAGS="-std=c++20 -O2 -g -DDSV3_HAVE_CUDA -I$ROOT/src -I$DEPS/include -I$DEPS/gtest/include -I/usr/local/cuda/include"
+# NCCL from the CUDA toolkit when it is there (the collectives of several GPU ranks), as CMake does.
+NCCL_DEF=; NCCL_LIB=
+if [ -f /usr/local/cuda/include/nccl.h ]; then NCCL_DEF=-DDSV3_HAVE_NCCL; NCCL_LIB=-lnccl; fi
+CXXFLAGS="-std=c++20 -O2 -g -DDSV3_HAVE_CUDA $NCCL_DEF -I$ROOT/src -I$DEPS/include -I$DEPS/gtest/include -I/usr/local/cuda/include"
 NVFLAGS="-std=c++17 -O3 -lineinfo -DDSV3_HAVE_CUDA -I$ROOT/src -gencode=arch=compute_90a,code=sm_90a -Xptxas -v"
+CUDA_CC=$(ls src/backend/cuda/*.cc | { if [ -n "$NCCL_DEF" ]; then cat; else grep -v '/nccl\.cc$'; fi; })
 SRCS="src/core/*.cc src/io/mmap_file.cc src/io/safetensors.cc src/io/safetensors_writer.cc src/io/checkpoint.cc src/model/*.cc
-      src/backend/backend.cc src/backend/host_weights.cc src/backend/ref/*.cc src/backend/cuda/*.cc src/dist/comm.cc src/runtime/*.cc"
+      src/backend/backend.cc src/backend/host_weights.cc src/backend/ref/*.cc $CUDA_CC src/dist/comm.cc src/runtime/*.cc"
 log "build"
 t0=$(date +%s)
 JOBS=${JOBS:-$(nproc)}
@@ -72,6 +76,7 @@ for s in $SRCS; do compile "$s" "$B/obj/$(echo "$s" | tr / _).o" g++ $CXXFLAGS; 
 compile "$DEPS/gtest/src/gtest-all.cc" "$B/gtest-all.o" g++ -std=c++17 -O2 -I$DEPS/gtest/include -I$DEPS/gtest
 compile "$DEPS/gtest/src/gtest_main.cc" "$B/gtest_main.o" g++ -std=c++17 -O2 -I$DEPS/gtest/include
 compile tests/cuda_backend_test.cc "$B/test.o" g++ $CXXFLAGS -Itests "-DDSV3_TEST_DATA=\"$ROOT/tests/data\""
+compile tests/cuda_nccl_test.cc "$B/test_nccl.o" g++ $CXXFLAGS -Itests
 compile bench/cuda_bench.cc "$B/bench.o" g++ $CXXFLAGS -Ibench
 compile bench/cublaslt_fp8_bench.cc "$B/ltbench.o" g++ $CXXFLAGS -Ibench
 if [ "${CLI:-0}" = 1 ]; then  # the dsv3 binary with the bench command only (for --device cuda)
@@ -102,7 +107,7 @@ wait
 fail=0
 ls "$B"/FAILED_* > /dev/null 2>&1 && fail=1
 cat $B/obj/*.cu.o.log > "$OUT/ptxas.txt" 2>/dev/null
-LIBS="-L/usr/local/cuda/lib64 -lcublas -lcublasLt -lcudart -lpthread"
+LIBS="-L/usr/local/cuda/lib64 -lcublas -lcublasLt -lcudart $NCCL_LIB -lpthread"
 # Links bench_NAME: the main build's objects but its kernels (with a source tree of its own, but
 # the CUDA backend's host code and the benchmark as well), and NAME's.  alt_link NAME SRC_TREE
 alt_link() {
@@ -112,7 +117,7 @@ alt_link() {
     $B/obj_$1/*.o $LIBS
 }
 if [ $fail = 0 ]; then
-  g++ -o "$B/tests" "$B/test.o" $B/obj/*.o "$B/gtest-all.o" "$B/gtest_main.o" $LIBS || fail=1
+  g++ -o "$B/tests" "$B/test.o" "$B/test_nccl.o" $B/obj/*.o "$B/gtest-all.o" "$B/gtest_main.o" $LIBS || fail=1
   g++ -o "$B/bench" "$B/bench.o" $B/obj/*.o $LIBS || fail=1
   g++ -o "$B/ltbench" "$B/ltbench.o" $B/obj/*.o $LIBS || fail=1
   if [ -n "$ALT" ]; then alt_link alt "${ALT_SRC:-}" || fail=1; fi

@@ -687,6 +687,43 @@ TEST(CudaOps, MlpAndMoeMatchRef) {
   }
 }
 
+// Expert parallelism: a rank holds half of the routed experts (the others' weights empty, as
+// load_weights leaves another rank's); its MoE equals the ref backend's on the same weights (which
+// skips the absent ones) on every routing path: one token (the gate kernel's router, or the route
+// kernel's block), a few (grouped in one block), many (grouped tiles: WMMA or the pipelined kernel).
+TEST(CudaOps, MoeSkipsOtherRanksExperts) {
+  REQUIRE_GPU();
+  auto ref = make_ref_backend();
+  for (int mode : {0, 3}) {
+    auto cuda = make_cuda_backend(mode_opts(mode));
+    for (std::string c : {"v2lite_bf16", "v3_fp8"}) {
+      auto ck = Checkpoint::open(case_dir(c) + "/hf");
+      const ModelArgs a = load_model_args(*ck);
+      const int E = a.n_routed_experts, D = int(a.dim);
+      for (int part = 0; part < 2; ++part) {
+        ModelWeights host = load_weights(*ck), dev = load_weights(*ck);
+        const int e0 = part * E / 2, e1 = e0 + E / 2;
+        for (ModelWeights* w : {&host, &dev})
+          for (LayerWeights& L : w->layers)
+            for (int e = 0; e < int(L.moe_w.experts.size()); ++e)
+              if (e < e0 || e >= e1) L.moe_w.experts[size_t(e)] = MLPWeights{};
+        cuda->prepare_weights(a, dev);
+        for (int64_t n : {1, 4, 37, 150}) {
+          std::vector<float> x = randn(size_t(n * D), uint32_t(n + 7)), want(x.size());
+          Dev xd(*cuda, x), yd(*cuda, x.size());
+          const double tol = mode != 0 || n > 8 ? 5e-5 : 5e-6;
+          ref->moe(a, host.layers[1].moe_w, x.data(), n, want.data());
+          cuda->reset_counters();
+          cuda->moe(a, dev.layers[1].moe_w, xd.p, n, yd.p);
+          EXPECT_LE(rel_l2(yd.get().data(), want.data(), want.size()), tol)
+              << c << " experts [" << e0 << ", " << e1 << ") n=" << n << " mode " << mode;
+          EXPECT_LE(cuda->routed_experts_run(), std::min<int64_t>(n * a.n_activated_experts, E / 2)) << c;
+        }
+      }
+    }
+  }
+}
+
 // A MoE layer whose shapes the tensor-core GEMV takes (K a multiple of 128, FP8 shared slices on
 // scale blocks), built from random host linears: the decode expert paths (FMA or tensor-core
 // GEMVs) against the ref backend. Shapes: small; the 16B model's (2048 / 1408: 32 and 22 chunks per

@@ -18,6 +18,8 @@
 #include <thread>
 #include <vector>
 
+#include "core/error.h"
+#include "dist/comm.h"
 #include "golden_util.h"
 #include "io/mmap_file.h"
 #include "io/safetensors.h"
@@ -277,6 +279,40 @@ TEST(Mpi, RanksDisagreeingOrMissingTheCheckpointFailAtStart) {
   EXPECT_NE(r.err.find("rank 1 of 2: /nonexistent/model"), std::string::npos) << r.err;
   EXPECT_NE(r.err.find("rank 0 of 2: another rank could not open the model"), std::string::npos) << r.err;
   EXPECT_FALSE(std::filesystem::exists(tmp_path("mpi_never.safetensors")));
+}
+
+// What a rank reads from mpirun's environment: its rank on the node (a CUDA rank's GPU) and the
+// collectives' timeout, with a message naming the variable for a bad value.
+TEST(Comm, LocalRankAndTimeoutFromTheEnvironment) {
+  EXPECT_EQ(parse_local_rank(nullptr), -1);
+  EXPECT_EQ(parse_local_rank("0"), 0);
+  EXPECT_EQ(parse_local_rank("7"), 7);
+  for (const char* bad : {"", "-1", "x", "3x"}) {
+    try {
+      parse_local_rank(bad);
+      ADD_FAILURE() << "accepted '" << bad << "'";
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find("OMPI_COMM_WORLD_LOCAL_RANK"), std::string::npos) << e.what();
+    }
+  }
+  const char* was = std::getenv("OMPI_COMM_WORLD_LOCAL_RANK");
+  const std::string saved = was ? was : "";
+  setenv("OMPI_COMM_WORLD_LOCAL_RANK", "3", 1);
+  EXPECT_EQ(local_rank(), 3);
+  unsetenv("OMPI_COMM_WORLD_LOCAL_RANK");
+  EXPECT_EQ(local_rank(), -1);
+  if (was) setenv("OMPI_COMM_WORLD_LOCAL_RANK", saved.c_str(), 1);
+
+  const char* t = std::getenv("DSV3_COMM_TIMEOUT");
+  const std::string saved_t = t ? t : "";
+  unsetenv("DSV3_COMM_TIMEOUT");
+  EXPECT_EQ(comm_timeout_s(), 60);
+  setenv("DSV3_COMM_TIMEOUT", "2.5", 1);
+  EXPECT_EQ(comm_timeout_s(), 2.5);
+  setenv("DSV3_COMM_TIMEOUT", "0", 1);
+  EXPECT_THROW(comm_timeout_s(), Error);
+  if (t) setenv("DSV3_COMM_TIMEOUT", saved_t.c_str(), 1);
+  else unsetenv("DSV3_COMM_TIMEOUT");
 }
 
 }  // namespace

@@ -35,17 +35,31 @@ bool launched_by_mpi() {
   return false;
 }
 
+double comm_timeout_s() {
+  const char* t = std::getenv("DSV3_COMM_TIMEOUT");
+  if (!t) return 60;
+  char* end = nullptr;
+  const double s = std::strtod(t, &end);
+  if (end == t || *end || !(s > 0)) fail("DSV3_COMM_TIMEOUT must be a number of seconds > 0, got '", t, "'");
+  return s;
+}
+
+int parse_local_rank(const char* v) {
+  if (!v) return -1;
+  char* end = nullptr;
+  const long r = std::strtol(v, &end, 10);
+  if (end == v || *end || r < 0 || r > 1 << 20)
+    fail("OMPI_COMM_WORLD_LOCAL_RANK must be a rank >= 0, got '", v, "'");
+  return int(r);
+}
+
+int local_rank() { return parse_local_rank(std::getenv("OMPI_COMM_WORLD_LOCAL_RANK")); }
+
 Comm& world_comm() {
   static std::unique_ptr<Comm> world = [] {
     if (!launched_by_mpi()) return make_single_comm();
 #ifdef DSV3_HAVE_MPI
-    double timeout = 60;
-    if (const char* t = std::getenv("DSV3_COMM_TIMEOUT")) {
-      char* end = nullptr;
-      timeout = std::strtod(t, &end);
-      if (*end || !(timeout > 0)) fail("DSV3_COMM_TIMEOUT must be a number of seconds > 0, got '", t, "'");
-    }
-    return make_mpi_comm(timeout);
+    return make_mpi_comm(comm_timeout_s());
 #else
     fail("started by mpirun, but this build has no MPI (configure with OpenMPI installed, -DDSV3_MPI=ON)");
 #endif

@@ -37,5 +37,13 @@ std::unique_ptr<Comm> make_single_comm();
 Comm& world_comm();
 // Whether this process was started by an MPI launcher (mpirun's environment).
 bool launched_by_mpi();
+// DSV3_COMM_TIMEOUT in seconds (default 60): how long an in-step collective may make no progress
+// before the job ends (the MPI Comm, and the CUDA backend's NCCL communicators).
+double comm_timeout_s();
+// This process's rank among the ranks on its node (OpenMPI's OMPI_COMM_WORLD_LOCAL_RANK), -1 when
+// not set: a CUDA rank takes GPU local_rank() % devices. parse_local_rank: the variable's value
+// (null: -1; not a number >= 0: Error naming it).
+int local_rank();
+int parse_local_rank(const char* value);
 
 }  // namespace dsv3

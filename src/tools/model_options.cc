@@ -49,8 +49,11 @@ LoadedModel load_model(const Args& args, int slots, int max_len, const std::stri
   std::unique_ptr<Checkpoint> ck;
   std::string err;
   try {
+#if defined(DSV3_HAVE_CUDA) && !defined(DSV3_HAVE_NCCL)
     if (world.size() > 1 && be == "cuda")
-      fail("several ranks on the GPU need the NCCL communicator, which this build does not have yet; use --backend cpu");
+      fail("several ranks on the GPU need NCCL, which this build lacks (the CUDA toolkit's nccl.h and libnccl were not "
+           "found at configure time); use --backend cpu, or rebuild where NCCL is installed");
+#endif
     ck = Checkpoint::open(args.require("model"), args.get("config"), world.rank(), world.size());
     check_shardable(load_model_args(*ck), world.size());
   } catch (const Error& e) {

@@ -12,12 +12,16 @@
 #include <cuda_runtime.h>
 
 #include <map>
+#include <memory>
 #include <string>
 #include <utility>
 #include <vector>
 
 #include "backend/cuda/cuda_backend.h"
 #include "backend/cuda/kernels.h"
+#ifdef DSV3_HAVE_NCCL
+#include "backend/cuda/nccl.h"
+#endif
 
 namespace dsv3::cuda_impl {
 
@@ -47,6 +51,10 @@ struct MoeTable {
   bool tc = false;            // every expert fits the pipelined kernel (tc_takes)
   bool k64 = false;           // ... with every K a multiple of 64 (its wgmma form)
   bool tcv = false;           // every expert fits the tensor-core GEMV (cuda::tcv_ok)
+  // The routed experts this rank holds, [local0, local1) (the others' weights are empty: expert
+  // parallelism); partial: not all of them (their rows of the expert output are zeroed, not run).
+  int local0 = 0, local1 = 0;
+  bool partial = false;
 };
 // The shared-expert slices a MoE layer is cut into (balancing the work with the routed experts).
 int shared_slices(const ModelArgs& a, const MoEWeights& w);
@@ -54,7 +62,7 @@ int shared_slices(const ModelArgs& a, const MoEWeights& w);
 // Scratch buffers, one per use.
 enum Slot {
   kTok, kPos, kTable, kH, kS, kPart, kMl, kLat, kKvb, kLogits, kSched, kMoeH, kMoeO, kHi, kLo, kHi2, kLo2, kSplitK,
-  kCublasWs, kTopk, kGather,
+  kCublasWs, kTopk, kGather, kComm,
   kNumSlots
 };
 
@@ -85,6 +93,13 @@ class CudaBackend final : public Backend {
   void rmsnorm(const float* x, int64_t n, int64_t d, int64_t stride, const TensorView& w, float eps,
                float* y) override;
   void add(float* y, const float* x, int64_t n) override;
+#ifdef DSV3_HAVE_NCCL
+  // Collectives through NCCL on the backend's stream (recordable in a step's CUDA graph).
+  void all_reduce(Comm& comm, float* x, int64_t n) override;
+  void all_gather(Comm& comm, const float* x, int64_t rows, int64_t d, float* y) override;
+#endif
+  void gather_layout(const float* parts, int64_t P, int64_t rows, int64_t d, float* y);  // (test hook)
+  int64_t graphs_recorded() const;
 
   // ---- linears (cuda_linear.cc)
   void linear(const float* x, int64_t n, const Linear& w, float* y) override;
@@ -166,6 +181,15 @@ class CudaBackend final : public Backend {
   const int32_t* step_table(const Step& s);
   void run_node(const StepGraph& g, const Step& s, const Node& nd);
   void no_capture(const char* what) const;
+  // Waits for the stream to drain; with NCCL communicators, a bounded wait (NcclComms::wait).
+  void sync() const;
+  // With NCCL communicators, the bounded wait; else nothing. Before a copy to pageable host
+  // memory, which blocks (unbounded) until the stream reaches it.
+  void wait_collectives() const;
+  // Makes this backend's GPU current in the calling thread (steps may run on another thread).
+  void on_device() const {
+    if (device_ != 0) CK(cudaSetDevice(device_));
+  }
   void abort_capture();
   void drop_graphs();
   void* device_bytes(size_t bytes);
@@ -177,6 +201,7 @@ class CudaBackend final : public Backend {
   void flush_marks();
 
   CudaOptions opt_;
+  int device_ = 0;  // local_rank() % devices under mpirun, else the current device (0)
   cudaStream_t stream_ = nullptr;
   cuda::Launch L_;
   cublasHandle_t cublas_ = nullptr;
@@ -202,6 +227,9 @@ class CudaBackend final : public Backend {
   std::vector<cudaEvent_t> free_events_;
   std::map<std::string, double> prof_;
   int64_t prof_steps_ = 0;
+#ifdef DSV3_HAVE_NCCL
+  std::unique_ptr<cuda::NcclComms> nccl_;  // made on the first collective
+#endif
 };
 
 }  // namespace dsv3::cuda_impl

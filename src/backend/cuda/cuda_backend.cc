@@ -15,6 +15,7 @@
 #include "backend/cuda/backend_impl.h"
 #include "backend/cuda/upload.h"
 #include "core/error.h"
+#include "dist/comm.h"
 
 namespace dsv3 {
 
@@ -117,11 +118,18 @@ CudaBackend::CudaBackend(const CudaOptions& opt) : opt_(opt) {
   opt_.validate();
   std::string why;
   if (!cuda::device_available(&why)) fail("CUDA backend: ", why);
+  // Under mpirun each rank takes a GPU by its rank on the node, before anything is allocated.
+  if (const int lr = local_rank(); lr >= 0) {
+    int n = 0;
+    CK(cudaGetDeviceCount(&n));
+    device_ = lr % n;
+    CK(cudaSetDevice(device_));
+  } else {
+    CK(cudaGetDevice(&device_));
+  }
   CK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
-  int dev = 0;
-  CK(cudaGetDevice(&dev));
   cudaDeviceProp prop;
-  CK(cudaGetDeviceProperties(&prop, dev));
+  CK(cudaGetDeviceProperties(&prop, device_));
   L_.stream = stream_;
   L_.pdl = opt_.pdl && prop.major >= 9;
   L_.tcv_max = prop.major >= 8 ? opt_.tune.tcv_max : 0;  // mma.sync bf16 / f16: sm_80+
@@ -144,11 +152,15 @@ CudaBackend::CudaBackend(const CudaOptions& opt) : opt_(opt) {
 }
 
 CudaBackend::~CudaBackend() {
+  if (device_ != 0) cudaSetDevice(device_);
   if (capturing_) {
     cudaGraph_t g = nullptr;
     cudaStreamEndCapture(stream_, &g);
     if (g) cudaGraphDestroy(g);
   }
+#ifdef DSV3_HAVE_NCCL
+  if (nccl_ && !nccl_->empty()) nccl_->drained(stream_, "the last step's collectives");  // (bounded)
+#endif
   cudaStreamSynchronize(stream_);
   drop_graphs();
   for (auto& s : scratch_)
@@ -162,59 +174,71 @@ CudaBackend::~CudaBackend() {
   cudaFreeHost(staging_);
   cudaFree(counter_);
   cudaEventDestroy(staging_done_);
+#ifdef DSV3_HAVE_NCCL
+  nccl_.reset();
+#endif
   cudaStreamDestroy(stream_);
 }
 
 // Routed experts given tokens, summed over MoE calls (the router adds each call's count on the
 // device; read after the stream drains).
 int64_t CudaBackend::routed_experts_run() const {
+  on_device();
   unsigned long long v = 0;
-  CK(cudaStreamSynchronize(stream_));
+  sync();
   CK(cudaMemcpy(&v, experts_run_, sizeof v, cudaMemcpyDeviceToHost));
   return int64_t(v);
 }
 
 void CudaBackend::reset_counters() {
+  on_device();
   no_capture("reset_counters");
   CK(cudaMemsetAsync(experts_run_, 0, sizeof(unsigned long long), stream_));
 }
 
 float* CudaBackend::alloc(size_t n) {
+  on_device();
   no_capture("alloc");
   void* p = device_malloc(std::max<size_t>(n, 1) * 4, "a device buffer (the KV cache is one per layer)",
                           "lower --kv-cache-gb or the batch, or use --backend cpu");
   CK(cudaMemsetAsync(p, 0, std::max<size_t>(n, 1) * 4, stream_));
-  CK(cudaStreamSynchronize(stream_));
+  sync();
   return static_cast<float*>(p);
 }
 
 void CudaBackend::release(float* p) {
+  on_device();
   no_capture("release");
-  CK(cudaStreamSynchronize(stream_));
+  sync();
   drop_graphs();  // recorded steps may point at it
   CK(cudaFree(p));
 }
 
 void CudaBackend::upload(float* dst, const float* host, size_t n) {
+  on_device();
   no_capture("upload");
   CK(cudaMemcpyAsync(dst, host, n * 4, cudaMemcpyHostToDevice, stream_));
-  CK(cudaStreamSynchronize(stream_));
+  sync();
 }
 
 void CudaBackend::download(float* host, const float* src, size_t n) {
+  on_device();
   no_capture("download");
   flush_marks();
+  wait_collectives();
   CK(cudaMemcpyAsync(host, src, n * 4, cudaMemcpyDeviceToHost, stream_));
-  CK(cudaStreamSynchronize(stream_));
+  sync();
 }
 
 int64_t CudaBackend::device_free_bytes() const {
+  on_device();
   size_t free_b = 0, total_b = 0;
   CK(cudaMemGetInfo(&free_b, &total_b));
   return int64_t(free_b);
 }
 
 WeightPlacement CudaBackend::prepare_weights(const ModelArgs& args, ModelWeights& w, const WeightMemory&) {
+  on_device();
   size_t total = 0;
   for_each_tensor(w, [&](TensorView& t, TensorRole k) {
     if (!t.empty()) total += align256(size_t(t.numel()) * dtype_size(device_dtype(t, k)));
@@ -248,6 +272,7 @@ WeightPlacement CudaBackend::prepare_weights(const ModelArgs& args, ModelWeights
 }
 
 ModelWeights CudaBackend::random_weights(const ModelArgs& a, uint64_t seed) {
+  on_device();
   ModelWeights w;
   std::vector<WeightSpec> specs = weight_manifest(a, &w);
   const bool fp8 = a.dtype == "fp8";
@@ -278,7 +303,7 @@ ModelWeights CudaBackend::random_weights(const ModelArgs& a, uint64_t seed) {
       make(*s.tensor, DType::BF16, s.shape, std::sqrt(3.f / float(s.shape[1])), false);
     }
   }
-  CK(cudaStreamSynchronize(stream_));
+  sync();
   return w;
 }
 
@@ -287,7 +312,7 @@ ModelWeights CudaBackend::random_weights(const ModelArgs& a, uint64_t seed) {
 void CudaBackend::put_step(const Step& s) {
   const size_t table = size_t(s.kv.rows * s.kv.width), words = size_t(s.n) * 3 + table;
   if (words > step_cap_) {
-    CK(cudaStreamSynchronize(stream_));
+    sync();
     drop_graphs();  // they read the old buffer
     if (step_dev_) CK(cudaFree(step_dev_));
     step_cap_ = std::max<size_t>(words, 4096);
@@ -312,7 +337,7 @@ const T* CudaBackend::upload_vec(Slot slot, const T* v, int64_t n) {
   no_capture("step metadata upload");
   void* d = scratch(slot, size_t(n) * sizeof(T));
   CK(cudaMemcpyAsync(d, v, size_t(n) * sizeof(T), cudaMemcpyHostToDevice, stream_));
-  CK(cudaStreamSynchronize(stream_));
+  sync();
   return static_cast<const T*>(d);
 }
 
@@ -331,6 +356,7 @@ const int32_t* CudaBackend::step_table(const Step& s) {
 }
 
 void CudaBackend::run(const StepGraph& g, const Step& s, const AfterNode& after) {
+  on_device();
   if (capturing_) abort_capture();
   put_step(s);
   step_ = &s;
@@ -463,6 +489,55 @@ void CudaBackend::rmsnorm(const float* x, int64_t n, int64_t d, int64_t stride, 
 
 void CudaBackend::add(float* y, const float* x, int64_t n) { cuda::add(L_, y, x, n); }
 
+// ---- collectives
+
+#ifdef DSV3_HAVE_NCCL
+void CudaBackend::all_reduce(Comm& comm, float* x, int64_t n) {
+  if (!nccl_) nccl_ = std::make_unique<cuda::NcclComms>(comm_timeout_s());
+  if (!nccl_->has(comm)) no_capture("NCCL communicator set-up");  // (a step's first run is never recorded)
+  nccl_->all_reduce(comm, x, n, stream_);
+}
+
+// NCCL gathers [parts, rows * d]; the op's y is [rows, parts * d]: one token's rows land in place,
+// more go through scratch and a strided copy per rank.
+void CudaBackend::all_gather(Comm& comm, const float* x, int64_t rows, int64_t d, float* y) {
+  if (!nccl_) nccl_ = std::make_unique<cuda::NcclComms>(comm_timeout_s());
+  if (!nccl_->has(comm)) no_capture("NCCL communicator set-up");
+  const int64_t P = comm.size();
+  if (rows == 1 || P == 1) return nccl_->all_gather(comm, x, rows * d, y, stream_);
+  float* g = f32(kComm, size_t(P * rows * d));  // [P, rows, d]
+  nccl_->all_gather(comm, x, rows * d, g, stream_);
+  cuda::parts_to_columns(g, P, rows, d, y, stream_);
+}
+
+void CudaBackend::gather_layout(const float* parts, int64_t P, int64_t rows, int64_t d, float* y) {
+  cuda::parts_to_columns(parts, P, rows, d, y, stream_);
+  sync();
+}
+
+void CudaBackend::wait_collectives() const {
+  if (nccl_ && !nccl_->empty()) nccl_->wait(stream_, "a step's collectives");
+}
+#else
+void CudaBackend::wait_collectives() const {}
+
+void CudaBackend::gather_layout(const float*, int64_t, int64_t, int64_t, float*) {
+  fail("CUDA backend: built without NCCL");
+}
+
+#endif
+
+void CudaBackend::sync() const {
+  wait_collectives();
+  CK(cudaStreamSynchronize(stream_));
+}
+
+int64_t CudaBackend::graphs_recorded() const {
+  int64_t n = 0;
+  for (auto& [k, g] : graphs_) n += g.exec != nullptr;
+  return n;
+}
+
 // ---- scratch, recording, profiling
 
 void CudaBackend::no_capture(const char* what) const {
@@ -497,7 +572,7 @@ void* CudaBackend::scratch(Slot s, size_t bytes) {
   Buf& b = scratch_[s];
   if (b.bytes >= bytes) return b.p;
   no_capture("scratch growth");
-  CK(cudaStreamSynchronize(stream_));
+  sync();
   drop_graphs();
   if (b.p) CK(cudaFree(b.p));
   b.bytes = align256(bytes + bytes / 4);
@@ -582,6 +657,20 @@ bool device_available(std::string* why) {
 ModelWeights random_weights(Backend& b, const ModelArgs& a, uint64_t seed) { return as_cuda(b).random_weights(a, seed); }
 
 std::string profile_report(Backend& b, bool reset) { return as_cuda(b).profile_report(reset); }
+
+bool nccl_built() {
+#ifdef DSV3_HAVE_NCCL
+  return true;
+#else
+  return false;
+#endif
+}
+
+void gather_layout_for_test(Backend& b, const float* parts, int64_t P, int64_t rows, int64_t d, float* y) {
+  as_cuda(b).gather_layout(parts, P, rows, d, y);
+}
+
+int64_t graphs_recorded(Backend& b) { return as_cuda(b).graphs_recorded(); }
 
 void route_for_test(Backend& b, const ModelArgs& a, const float* logits, const float* bias, int64_t n, int32_t* idx,
                     float* w) {

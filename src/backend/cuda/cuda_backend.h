@@ -66,6 +66,15 @@ std::string profile_report(Backend& cuda_backend, bool reset = true);
 void act_quant_for_test(Backend& cuda_backend, const float* x, int64_t rows, int64_t cols, bool ue8m0, uint8_t* y,
                         float* s);
 
+// Whether this build runs collectives through NCCL (DSV3_HAVE_NCCL); without it a CUDA backend
+// has no multi-rank path.
+bool nccl_built();
+// Backend::all_gather's reordering alone: y [rows, P * d] = parts [P, rows, d] (device memory of
+// `cuda_backend`; NCCL builds). For tests.
+void gather_layout_for_test(Backend& cuda_backend, const float* parts, int64_t P, int64_t rows, int64_t d, float* y);
+// How many recorded steps (CUDA graphs) `cuda_backend` holds. For tests.
+int64_t graphs_recorded(Backend& cuda_backend);
+
 // Device-to-device copy bandwidth in GB/s, counting bytes read plus bytes written.
 double copy_bandwidth_gbps(size_t bytes, int reps);
 

@@ -45,6 +45,7 @@ void CudaBackend::moe_op(const ModelArgs& a, const MoEWeights& w, const float* x
   // Gate logits [n, E] in float32, then the device router.
   float* logits = f32(kLogits, size_t(n * E));
   cuda::MoeSched s = sched(n, E, K, T.S);
+  if (T.partial) s.local0 = T.local0, s.local1 = T.local1;
   const bool tc = use_tc(n) && T.tc;
   const bool swap = tc && moe_swap(T, n);
   if (tc) s.tile_rows = swap ? 128 : tile_m(T.wtype);
@@ -52,10 +53,14 @@ void CudaBackend::moe_op(const ModelArgs& a, const MoEWeights& w, const float* x
   const float* bias = w.bias.empty() ? nullptr : w.bias.as<float>();
   const int64_t P = s.P(), D = a.dim;
   const bool gemvs = !tc && (n <= opt_.tune.gemv_max || !T.gemm);
+  // Another rank's experts keep their pair rows, which no kernel writes: zero, they add nothing to
+  // the combine (as the CPU backend skips them; the all-reduce after the MoE sums the ranks).
+  if (T.partial) CK(cudaMemsetAsync(f32(kMoeO, size_t(P * D)), 0, size_t(P * D) * 4, stream_));
   cuda::TcJob xs;  // x's split when the gate made it
   if (gate_kernel) {
     // One token on the expert GEMVs: their blocks route it from the logits (no last-block router).
-    const bool rie = opt_.tune.route_in_experts && gemvs && n == 1 && E <= 256;
+    // (Not with another rank's experts: the router's schedule leaves those out of the active list.)
+    const bool rie = opt_.tune.route_in_experts && gemvs && n == 1 && E <= 256 && !T.partial;
     cuda::gate_route(L_, gate, x, n, logits, r, bias, s, counter_, !rie, norm);
     if (rie) s.route_logits = logits, s.route_bias = bias, s.route = r;
   } else if (tc && tc_takes(gate) && gate.cols == D) {
@@ -148,13 +153,33 @@ cuda::MoeSched CudaBackend::sched(int64_t n, int E, int K, int S) {
 }
 
 const MoeTable& CudaBackend::moe_table(const ModelArgs& a, const MoEWeights& w) {
-  const void* key = w.experts.at(0).w1.weight.data;
+  const void* key = w.gate.data;  // (every rank holds the whole gate; expert 0 may be another rank's)
   auto it = moe_.find(key);
   if (it != moe_.end()) return it->second;
   no_capture("MoE table build");
   MoeTable T;
+  // The routed experts this rank holds: a contiguous range (model/weights.h's partition); the
+  // others' entries keep the shapes of a held one with no weights (no kernel runs them).
+  const int E = int(w.experts.size());
+  T.local0 = E, T.local1 = 0;
+  for (int e = 0; e < E; ++e)
+    if (!w.experts[size_t(e)].w1.weight.empty()) T.local0 = std::min(T.local0, e), T.local1 = e + 1;
+  if (T.local0 >= T.local1) fail("CUDA backend: a MoE layer without any of its routed experts on this rank");
+  for (int e = T.local0; e < T.local1; ++e)
+    DSV3_CHECK(!w.experts[size_t(e)].w1.weight.empty(), "this rank's routed experts are not a contiguous range");
+  T.partial = T.local0 > 0 || T.local1 < E;
+  const MLPWeights& held = w.experts[size_t(T.local0)];
+  const cuda::DevExpert absent{dev_linear(held.w1), dev_linear(held.w3), dev_linear(held.w2)};
   std::vector<cuda::DevExpert> v;
-  for (const MLPWeights& e : w.experts) v.push_back({dev_linear(e.w1), dev_linear(e.w3), dev_linear(e.w2)});
+  for (int e = 0; e < E; ++e) {
+    const MLPWeights& x = w.experts[size_t(e)];
+    if (e >= T.local0 && e < T.local1) {
+      v.push_back({dev_linear(x.w1), dev_linear(x.w3), dev_linear(x.w2)});
+    } else {
+      v.push_back(absent);
+      for (DevLinear* l : {&v.back().w1, &v.back().w3, &v.back().w2}) l->w = nullptr, l->s = nullptr;
+    }
+  }
   if (w.has_shared) {
     const DevLinear s1 = dev_linear(w.shared_experts.w1), s3 = dev_linear(w.shared_experts.w3),
                     s2 = dev_linear(w.shared_experts.w2);
@@ -165,12 +190,13 @@ const MoeTable& CudaBackend::moe_table(const ModelArgs& a, const MoEWeights& w) 
                    slice(s2, 0, s2.rows, j * rows, rows)});
     T.S = S;
   }
-  T.wtype = v[0].w1.t;
+  T.wtype = v[size_t(T.local0)].w1.t;
   T.gemm = true;
   T.tc = true;
   T.k64 = true;
   T.tcv = true;
   for (cuda::DevExpert& e : v) {
+    if (!e.w1.w) continue;  // another rank's
     for (const DevLinear* l : {&e.w1, &e.w3, &e.w2}) {
       if (l->t != T.wtype) fail("CUDA backend: MoE layer mixes weight dtypes");
       T.tcv = T.tcv && cuda::tcv_ok(*l);
@@ -198,7 +224,7 @@ void CudaBackend::route(const ModelArgs& a, const float* logits, const float* bi
   cuda::moe_route(L_, route_args(a), logits, bias, s, di, dw);
   CK(cudaMemcpyAsync(idx, di, size_t(n * K) * 4, cudaMemcpyDeviceToHost, stream_));
   CK(cudaMemcpyAsync(wts, dw, size_t(n * K) * 4, cudaMemcpyDeviceToHost, stream_));
-  CK(cudaStreamSynchronize(stream_));
+  sync();
 }
 
 }  // namespace dsv3::cuda_impl

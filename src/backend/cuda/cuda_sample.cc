@@ -18,13 +18,15 @@ void CudaBackend::check_logit_row(const float* x, int64_t r, int64_t cols, int64
 }
 
 bool CudaBackend::argmax_rows(const float* x, int64_t rows, int64_t cols, int64_t limit, int32_t* ids) {
+  on_device();
   no_capture("argmax_rows");
   flush_marks();
   int32_t* d = static_cast<int32_t*>(scratch(kTopk, size_t(rows) * 12));
   cuda::argmax_rows(L_, x, rows, cols, limit, d);
   std::vector<int32_t> h(static_cast<size_t>(rows) * 3);
+  wait_collectives();
   CK(cudaMemcpyAsync(h.data(), d, h.size() * 4, cudaMemcpyDeviceToHost, stream_));
-  CK(cudaStreamSynchronize(stream_));
+  sync();
   for (int64_t r = 0; r < rows; ++r) {
     const int32_t* o = &h[size_t(r) * 3];
     check_logit_row(x, r, cols, limit, o[1], o[2] != 0);
@@ -35,6 +37,7 @@ bool CudaBackend::argmax_rows(const float* x, int64_t rows, int64_t cols, int64_
 
 bool CudaBackend::sample_rows(const float* x, int64_t rows, int64_t cols, int64_t limit, const SampleSpec* spec,
                               int32_t* ids, float* host_logits) {
+  on_device();
   no_capture("sample_rows");
   flush_marks();
   std::vector<cuda::DevSample> hs(static_cast<size_t>(rows));
@@ -50,8 +53,9 @@ bool CudaBackend::sample_rows(const float* x, int64_t rows, int64_t cols, int64_
   CK(cudaMemcpyAsync(ds, hs.data(), sb, cudaMemcpyHostToDevice, stream_));
   cuda::sample_rows(L_, x, rows, cols, limit, ds, dout, dw);
   std::vector<int32_t> h(static_cast<size_t>(rows) * 3);
+  wait_collectives();
   CK(cudaMemcpyAsync(h.data(), dout, h.size() * 4, cudaMemcpyDeviceToHost, stream_));
-  CK(cudaStreamSynchronize(stream_));
+  sync();
   for (int64_t r = 0; r < rows; ++r) {
     const int32_t* o = &h[size_t(r) * 3];  // {id, status, index}: cuda::sample_rows
     check_logit_row(x, r, cols, limit, o[1] == 2 ? o[2] : -1, o[1] == 3);
@@ -69,7 +73,7 @@ void CudaBackend::act_quant(const float* x, int64_t rows, int64_t cols, bool ue8
   cuda::act_quant(L_, x, rows, cols, ue8m0, dy, ds);
   CK(cudaMemcpyAsync(y, dy, n, cudaMemcpyDeviceToHost, stream_));
   CK(cudaMemcpyAsync(s, ds, nb * 4, cudaMemcpyDeviceToHost, stream_));
-  CK(cudaStreamSynchronize(stream_));
+  sync();
 }
 
 }  // namespace dsv3::cuda_impl

@@ -247,6 +247,10 @@ struct MoeSched {
   int64_t n = 0;
   int E = 0, K = 0, S = 0;
   int tile_rows = 64;          // rows per GEMM tile (64, or 128 for tc_gemm's large tiles)
+  // The routed experts this rank holds, [local0, local1) (expert parallelism): the others' pairs
+  // keep their rows and weights but are neither active nor tiled (no kernel runs them; their rows
+  // of the expert output stay as the caller zeroed them). Default: every expert.
+  int local0 = 0, local1 = 1 << 30;
   // One token whose gate kernel wrote only the logits (gate_route with route = false): every
   // routed block of the expert GEMVs routes it itself (route_one_block) and the first one of stage
   // 0 writes the schedule (for the combine).

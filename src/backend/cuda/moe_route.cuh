@@ -39,11 +39,17 @@ __device__ __forceinline__ float group_score(const float* c, int per, bool bias)
   return m1 + m2;
 }
 
-// Pair row p of a one-token schedule: expert (or shared slice) e's only pair, weight w, one tile.
-__device__ __forceinline__ void one_token_slot(const MoeSched& s, int p, int e, float w) {
-  s.active[p] = e, s.off[e] = p, s.cnt[e] = 1, s.perm[p] = 0;
-  s.tile_e[p] = e, s.tile_m0[p] = 0;
+// Whether routed expert (or shared slice) e is run on this rank (MoeSched::local0 / local1).
+__device__ __forceinline__ bool runs_here(const MoeSched& s, int e) {
+  return e >= s.E || (e >= s.local0 && e < s.local1);
+}
+
+// Pair row p of a one-token schedule: expert (or shared slice) e's only pair, weight w; when the
+// expert runs here (a >= 0), active slot and tile a (a == p unless another rank holds experts).
+__device__ __forceinline__ void one_token_slot(const MoeSched& s, int p, int a, int e, float w) {
+  s.off[e] = p, s.cnt[e] = 1, s.perm[p] = 0;
   s.pair_of[p] = p, s.pw[p] = w;
+  if (a >= 0) s.active[a] = e, s.tile_e[a] = e, s.tile_m0[a] = 0;
 }
 
 // Warp `lane`s route token i (gate.cc's choices) and write its K experts, by expert index, as
@@ -222,11 +228,12 @@ __device__ int route_one_block(const RouteArgs& ra, const float* __restrict__ lo
   __syncthreads();
   if (chosen || (topk_idx && e < K)) {
     float sum = 0.f;
-    int pos = 0;  // chosen experts below e: its pair row
+    int pos = 0, slot = 0;  // chosen experts below e: its pair row; ... run here: its active slot
     for (int k = 0; k < K; ++k) {
       const int o = order[k];
       sum += sc[o];  // in choice order, as gate.cc
       pos += o < e;
+      slot += o < e && runs_here(s, o);
     }
     auto weight_of = [&](float sc_e) {
       float wv = sc_e;
@@ -235,15 +242,20 @@ __device__ int route_one_block(const RouteArgs& ra, const float* __restrict__ lo
     };
     if (write && topk_idx && e < K) topk_idx[e] = order[e], topk_w[e] = weight_of(sc[order[e]]);
     if (chosen) {
-      if (write) one_token_slot(s, pos, e, weight_of(sc[e]));
+      if (write) one_token_slot(s, pos, runs_here(s, e) ? slot : -1, e, weight_of(sc[e]));
       by_index[pos] = e;
     }
   }
   if (write) {
-    if (e < s.S) one_token_slot(s, s.K + e, s.E + e, 1.f);  // shared slice e: pair row K + e
+    int L = K;  // chosen experts run here (all unless another rank holds some)
+    if (s.local0 > 0 || s.local1 < s.E) {
+      L = 0;
+      for (int k = 0; k < K; ++k) L += runs_here(s, order[k]);
+    }
+    if (e < s.S) one_token_slot(s, s.K + e, L + e, s.E + e, 1.f);  // shared slice e: pair row K + e
     if (e == 0) {
-      *s.n_active = s.K + s.S, *s.n_tiles = s.K + s.S;
-      if (s.experts_run) atomicAdd(s.experts_run, (unsigned long long)s.K);
+      *s.n_active = L + s.S, *s.n_tiles = L + s.S;
+      if (s.experts_run) atomicAdd(s.experts_run, (unsigned long long)L);
     }
   }
   if (want < 0) return -1;
@@ -369,16 +381,19 @@ __device__ void group_pairs(const MoeSched& s, bool tiles) {
   if (warp == 0) {
     int base = 0, na = 0, nt = 0;
     for (int e0 = 0; e0 < NE; e0 += 32) {
-      const int e = e0 + lane, c = e < NE ? cnt[e] : 0, tc = tiles ? (c + s.tile_rows - 1) / s.tile_rows : 0;
+      // (another rank's expert keeps its pair rows but is neither active nor tiled)
+      const int e = e0 + lane, c = e < NE ? cnt[e] : 0;
+      const bool run = c > 0 && runs_here(s, e);
+      const int tc = tiles && run ? (c + s.tile_rows - 1) / s.tile_rows : 0;
       int x = c, y = tc;  // inclusive scans over the lanes
 #pragma unroll
       for (int o = 1; o < 32; o <<= 1) {
         const int xu = __shfl_up_sync(0xffffffffu, x, o), yu = __shfl_up_sync(0xffffffffu, y, o);
         if (lane >= o) x += xu, y += yu;
       }
-      const unsigned act = __ballot_sync(0xffffffffu, c > 0);
+      const unsigned act = __ballot_sync(0xffffffffu, run);
       if (e < NE) off[e] = base + x - c, s.off[e] = base + x - c, s.cnt[e] = c;
-      if (c > 0) s.active[na + __popc(act & ((1u << lane) - 1))] = e;
+      if (run) s.active[na + __popc(act & ((1u << lane) - 1))] = e;
       for (int j = 0; j < tc; ++j) s.tile_e[nt + y - tc + j] = e, s.tile_m0[nt + y - tc + j] = s.tile_rows * j;
       base += __shfl_sync(0xffffffffu, x, 31);
       nt += __shfl_sync(0xffffffffu, y, 31);
