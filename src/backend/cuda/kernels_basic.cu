@@ -98,10 +98,11 @@ __global__ void add_rmsnorm_kernel(float* h, const float* __restrict__ r, int64_
   for (int64_t k = threadIdx.x + int64_t(kPre) * blockDim.x; k < d; k += blockDim.x) yi[k] = hi[k] * rr * w[k];
 }
 
-__global__ void add_kernel(float* __restrict__ y, const float* __restrict__ x, int64_t n) {
+// y += x over n values: the first n4 * 4 as float4 (n4 = 0 where the buffers are not 16-byte
+// aligned), the rest one at a time.
+__global__ void add_kernel(float* __restrict__ y, const float* __restrict__ x, int64_t n, int64_t n4) {
   pdl_wait();
   pdl_trigger();
-  const int64_t n4 = n / 4;
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n4; i += int64_t(gridDim.x) * blockDim.x) {
     float4 a = reinterpret_cast<float4*>(y)[i];
     const float4 b = reinterpret_cast<const float4*>(x)[i];
@@ -198,9 +199,10 @@ void argmax_rows(const Launch& L, const float* x, int64_t rows, int64_t cols, in
 }
 
 void add(const Launch& L, float* y, const float* x, int64_t n) {
-  // The float4 path needs 16-byte aligned buffers (device allocations are).
-  DSV3_CHECK(reinterpret_cast<uintptr_t>(y) % 16 == 0 && reinterpret_cast<uintptr_t>(x) % 16 == 0);
-  launch(L, add_kernel, dim3(grid_for(n / 4 + 1, 256)), dim3(256), 0, y, x, n);
+  // float4 where both buffers are 16-byte aligned (device allocations are; a view into a row may not be).
+  const bool aligned = reinterpret_cast<uintptr_t>(y) % 16 == 0 && reinterpret_cast<uintptr_t>(x) % 16 == 0;
+  const int64_t n4 = aligned ? n / 4 : 0;
+  launch(L, add_kernel, dim3(grid_for(n4 + (n - 4 * n4) / 4 + 1, 256)), dim3(256), 0, y, x, n, n4);
 }
 
 namespace {
