@@ -14,6 +14,7 @@
 #include "backend/host_weights.h"
 #include "golden_util.h"
 #include "io/checkpoint.h"
+#include "io/mmap_file.h"
 #include "runtime/model.h"
 
 using namespace dsv3;
@@ -35,6 +36,30 @@ int64_t vm_locked_bytes() {  // /proc/self/status VmLck
   for (std::string line; std::getline(f, line);)
     if (line.rfind("VmLck:", 0) == 0) return std::atoll(line.c_str() + 6) * 1024;
   return -1;
+}
+
+int64_t rss_file_bytes() {  // /proc/self/status RssFile
+  std::ifstream f("/proc/self/status");
+  for (std::string line; std::getline(f, line);)
+    if (line.rfind("RssFile:", 0) == 0) return std::atoll(line.c_str() + 8) * 1024;
+  return -1;
+}
+
+// The copy drops the checkpoint's pages as it goes: inside a live file mapping the pages leave
+// the resident set and read back the same; heap memory is never touched.
+TEST(HostWeights, ReleasingPagesDropsOnlyFileMappings) {
+  std::vector<uint8_t> heap(3 * 4096, 7);
+  EXPECT_FALSE(release_mapped_pages(heap.data() + 4096, 4096));
+  for (uint8_t b : heap) ASSERT_EQ(b, 7);
+
+  MmapFile f(case_dir("v3_fp8") + "/hf/model-00001-of-00002.safetensors");
+  ASSERT_GT(f.size(), size_t(1) << 20);
+  const std::string before(reinterpret_cast<const char*>(f.data()), f.size());  // every page mapped in
+  const int64_t rss = rss_file_bytes();
+  EXPECT_TRUE(release_mapped_pages(f.data() + 100, f.size() - 100));
+  EXPECT_LT(rss_file_bytes(), rss - int64_t(f.size()) / 2) << "the file's pages should have left the resident set";
+  EXPECT_EQ(std::string(reinterpret_cast<const char*>(f.data()), f.size()), before);
+  EXPECT_FALSE(release_mapped_pages(f.data() + f.size() - 10, 20)) << "a range past the mapping's end";
 }
 
 // A rank's shard holds row-parallel slices copied out of the file (w.owned) beside views into

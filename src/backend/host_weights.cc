@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "core/error.h"
+#include "io/mmap_file.h"
 
 namespace dsv3 {
 namespace {
@@ -116,6 +117,10 @@ WeightPlacement place_host_weights(ModelWeights& w, const WeightMemory& m, HostA
     size_t at = 0;
     for (TensorView* t : all) {
       std::memcpy(arena->data() + at, t->data, t->nbytes());
+      // The checkpoint's pages leave this process's resident set as they are copied: it holds one
+      // copy of the weights at a time, not two (a page shared with a tensor not yet copied maps
+      // back in when that one is read).
+      release_mapped_pages(t->data, t->nbytes());
       t->data = arena->data() + at;
       at += round_up(t->nbytes(), kAlign);
     }

@@ -8,11 +8,27 @@
 #include <cerrno>
 #include <cstring>
 #include <fstream>
+#include <mutex>
 #include <sstream>
+#include <utility>
+#include <vector>
 
 #include "core/error.h"
 
 namespace dsv3 {
+namespace {
+
+// The live mappings (release_mapped_pages releases only inside them).
+struct Mappings {
+  std::mutex mu;
+  std::vector<std::pair<const uint8_t*, size_t>> live;
+};
+Mappings& mappings() {
+  static Mappings m;
+  return m;
+}
+
+}  // namespace
 
 MmapFile::MmapFile(const std::string& path) : path_(path) {
   int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
@@ -36,12 +52,32 @@ MmapFile::MmapFile(const std::string& path) : path_(path) {
       fail(path, ": mmap failed: ", std::strerror(e));
     }
     data_ = static_cast<const uint8_t*>(p);
+    std::lock_guard lock(mappings().mu);
+    mappings().live.emplace_back(data_, size_);
   }
   ::close(fd);
 }
 
 MmapFile::~MmapFile() {
-  if (data_) ::munmap(const_cast<uint8_t*>(data_), size_);
+  if (!data_) return;
+  {
+    std::lock_guard lock(mappings().mu);
+    auto& v = mappings().live;
+    std::erase(v, std::pair<const uint8_t*, size_t>(data_, size_));
+  }
+  ::munmap(const_cast<uint8_t*>(data_), size_);
+}
+
+bool release_mapped_pages(const void* p, size_t n) {
+  const auto* b = static_cast<const uint8_t*>(p);
+  std::lock_guard lock(mappings().mu);
+  for (const auto& [d, size] : mappings().live) {
+    if (b < d || b + n > d + size) continue;
+    const uintptr_t page = 4096, a = uintptr_t(b) / page * page;  // whole pages, all inside the mapping
+    ::madvise(reinterpret_cast<void*>(a), uintptr_t(b) + n - a, MADV_DONTNEED);
+    return true;
+  }
+  return false;
 }
 
 void MmapFile::release() {

@@ -26,6 +26,11 @@ class MmapFile {
   size_t size_ = 0;
 };
 
+// Drops the pages under [p, p + n) from this process's mapping where the range lies inside a live
+// MmapFile (true); anywhere else (heap or anonymous memory, whose pages would be lost) does nothing
+// (false).
+bool release_mapped_pages(const void* p, size_t n);
+
 // Reads a whole (small) file into a string; throws Error naming the path.
 std::string read_text_file(const std::string& path);
 bool file_exists(const std::string& path);
