@@ -53,10 +53,17 @@ cat "$OUT/nvidia-smi.txt" | tee -a "$OUT/summary.txt"
 nvcc --version | tail -1 | tee -a "$OUT/summary.txt"
 g++ --version | head -1 | tee -a "$OUT/summary.txt"
 
-# NCCL from the CUDA toolkit when it is there (the collectives of several GPU ranks), as CMake does.
-NCCL_DEF=; NCCL_LIB=
-if [ -f /usr/local/cuda/include/nccl.h ]; then NCCL_DEF=-DDSV3_HAVE_NCCL; NCCL_LIB=-lnccl; fi
-CXXFLAGS="-std=c++20 -O2 -g -DDSV3_HAVE_CUDA $NCCL_DEF -I$ROOT/src -I$DEPS/include -I$DEPS/gtest/include -I/usr/local/cuda/include"
+# NCCL (the collectives of several GPU ranks) where the toolkit, the system or a Python wheel has it,
+# as CMake finds it.
+NCCL_DEF=; NCCL_LIB=; NCCL_INC=
+for d in /usr/local/cuda /usr $(ls -d /usr/local/lib/python3*/dist-packages/nvidia/nccl /usr/lib/python3*/dist-packages/nvidia/nccl 2>/dev/null); do
+  lib=$(ls "$d"/lib/libnccl.so* "$d"/lib64/libnccl.so* "$d"/lib/x86_64-linux-gnu/libnccl.so* 2>/dev/null | head -1)
+  if [ -f "$d/include/nccl.h" ] && [ -n "$lib" ]; then
+    NCCL_DEF=-DDSV3_HAVE_NCCL; NCCL_INC=-I$d/include; NCCL_LIB="$lib -Wl,-rpath,$(dirname "$lib")"; break
+  fi
+done
+echo "NCCL: ${NCCL_LIB:-none found}" | tee -a "$OUT/summary.txt"
+CXXFLAGS="-std=c++20 -O2 -g -DDSV3_HAVE_CUDA $NCCL_DEF $NCCL_INC -I$ROOT/src -I$DEPS/include -I$DEPS/gtest/include -I/usr/local/cuda/include"
 NVFLAGS="-std=c++17 -O3 -lineinfo -DDSV3_HAVE_CUDA -I$ROOT/src -gencode=arch=compute_90a,code=sm_90a -Xptxas -v"
 CUDA_CC=$(ls src/backend/cuda/*.cc | { if [ -n "$NCCL_DEF" ]; then cat; else grep -v '/nccl\.cc$'; fi; })
 SRCS="src/core/*.cc src/io/mmap_file.cc src/io/safetensors.cc src/io/safetensors_writer.cc src/io/checkpoint.cc src/model/*.cc
