@@ -188,8 +188,9 @@ TEST(CpuKernels, MatmulBatchSizes1To40) {
 }
 
 // Beyond 8 tokens the AVX2 table runs a blocked product (16-row panels, 6-token register tiles,
-// K blocks of 256, row blocks of 128, token blocks of 120): token counts off the tile, K off the
-// K block and off 8, row ranges off the 16-row group and across row blocks, every weight dtype.
+// K blocks of 256, row blocks of 128, token blocks of 120) and the AVX-512 table 32-row panels in
+// 256-column blocks (partial sums added): token counts off the tile, K off the K block and off 8,
+// row ranges off the 16- and 32-row groups and across row blocks, every weight dtype.
 TEST(CpuKernels, ManyTokenMatmulOnRaggedBlocks) {
   std::mt19937 rng(7);
   for (cpu::Isa isa : isas())

@@ -301,8 +301,12 @@ DSV3_AVX512 void direct_tokens(WRows wr, Rows xr, OutRows yr, const char* wend, 
 }
 
 // --- panel kernel (many tokens): R float32 rows x T tokens, 24 accumulators -----------------------------
+// y[t][r] (+)= sum_{k < Kp} p[r][k] xs[t][k]; add: onto y's partial sums.
 template <int R, int T>
-DSV3_AVX512 void mk_panel(const float* p, int64_t ldp, const float* xs, int64_t ldxs, int64_t Kp, float* y, int64_t ldy) {
+DSV3_AVX512 void mk_panel(const float* p, int64_t ldp, Rows xr, int64_t Kp, OutRows yr, bool add) {
+  const float* xs = xr.p;
+  const int64_t ldxs = xr.ld, ldy = yr.ld;
+  float* y = yr.p;
   __m512 acc[R][T];
   DSV3_UNROLL
   for (int r = 0; r < R; ++r)
@@ -322,38 +326,39 @@ DSV3_AVX512 void mk_panel(const float* p, int64_t ldp, const float* xs, int64_t 
   DSV3_UNROLL
   for (int t = 0; t < T; ++t) {
     if constexpr (R == 4) {
-      _mm_storeu_ps(y + t * ldy, hsum4(acc[0][t], acc[1][t], acc[2][t], acc[3][t]));
+      const __m128 h = hsum4(acc[0][t], acc[1][t], acc[2][t], acc[3][t]);
+      _mm_storeu_ps(y + t * ldy, add ? _mm_add_ps(_mm_loadu_ps(y + t * ldy), h) : h);
     } else {
       DSV3_UNROLL
-      for (int r = 0; r < R; ++r) y[t * ldy + r] = hsum(acc[r][t]);
+      for (int r = 0; r < R; ++r) y[t * ldy + r] = (add ? y[t * ldy + r] : 0.f) + hsum(acc[r][t]);
     }
   }
 }
 
+// R rows against up to 6 tokens (xr.n).
 template <int R>
-DSV3_AVX512 void panel_tokens(const float* p, int64_t ldp, Rows xr, int64_t Kp, OutRows yr) {
-  const float* xs = xr.p;
-  float* y = yr.p;
-  const int64_t ldxs = xr.ld, M = xr.n, ldy = yr.ld;
-  int64_t m = 0;
-  for (; m + 6 <= M; m += 6) mk_panel<R, 6>(p, ldp, xs + m * ldxs, ldxs, Kp, y + m * ldy, ldy);
-  const float* xm = xs + m * ldxs;
-  float* ym = y + m * ldy;
-  switch (M - m) {
-    case 5: mk_panel<R, 5>(p, ldp, xm, ldxs, Kp, ym, ldy); break;
-    case 4: mk_panel<R, 4>(p, ldp, xm, ldxs, Kp, ym, ldy); break;
-    case 3: mk_panel<R, 3>(p, ldp, xm, ldxs, Kp, ym, ldy); break;
-    case 2: mk_panel<R, 2>(p, ldp, xm, ldxs, Kp, ym, ldy); break;
-    case 1: mk_panel<R, 1>(p, ldp, xm, ldxs, Kp, ym, ldy); break;
-    default: break;
+DSV3_AVX512 void panel_group(const float* p, int64_t ldp, Rows xr, int64_t Kp, OutRows yr, bool add) {
+  switch (xr.n) {
+    case 6: return mk_panel<R, 6>(p, ldp, xr, Kp, yr, add);
+    case 5: return mk_panel<R, 5>(p, ldp, xr, Kp, yr, add);
+    case 4: return mk_panel<R, 4>(p, ldp, xr, Kp, yr, add);
+    case 3: return mk_panel<R, 3>(p, ldp, xr, Kp, yr, add);
+    case 2: return mk_panel<R, 2>(p, ldp, xr, Kp, yr, add);
+    case 1: return mk_panel<R, 1>(p, ldp, xr, Kp, yr, add);
+    default: return;
   }
 }
 
-// Rows [0, nr) of float32 rows (stride ldp, Kp padded columns) for the xs.n tokens.
-DSV3_AVX512 void panel_rows(const float* p, int64_t ldp, int64_t nr, Rows xs, int64_t Kp, OutRows y) {
-  int64_t r = 0;
-  for (; r + 4 <= nr; r += 4) panel_tokens<4>(p + r * ldp, ldp, xs, Kp, {y.p + r, y.ld});
-  for (; r < nr; ++r) panel_tokens<1>(p + r * ldp, ldp, xs, Kp, {y.p + r, y.ld});
+// Rows [0, nr) of float32 rows (stride ldp, Kp padded columns) for the xs.n tokens, (+)= into y:
+// tokens in groups of 6, each group against every row (its activations stay in L1 meanwhile).
+DSV3_AVX512 void panel_rows(const float* p, int64_t ldp, int64_t nr, Rows xs, int64_t Kp, OutRows y, bool add = false) {
+  for (int64_t m = 0; m < xs.n; m += 6) {
+    const Rows xm{xs.p + m * xs.ld, std::min<int64_t>(6, xs.n - m), xs.ld};
+    float* ym = y.p + m * y.ld;
+    int64_t r = 0;
+    for (; r + 4 <= nr; r += 4) panel_group<4>(p + r * ldp, ldp, xm, Kp, {ym + r, y.ld}, add);
+    for (; r < nr; ++r) panel_group<1>(p + r * ldp, ldp, xm, Kp, {ym + r, y.ld}, add);
+  }
 }
 
 template <WT T>
@@ -377,6 +382,11 @@ int64_t token_tile(int64_t M, int64_t Kp) {
   return std::min(M, t);
 }
 
+// Many tokens: blocks of kPanelRows rows converted once into a float32 panel (in L2), then per
+// kPanelK columns of it (in L1 with a 6-token group's activations) every token against every row,
+// partial sums added into y.
+constexpr int64_t kPanelRows = 32, kPanelK = 256;
+
 template <WT T>
 DSV3_AVX512 void rows_any(WRows w, Rows xs, OutRows y, Scratch& s, const char* wend, bool first) {
   if (xs.n <= 8) {
@@ -385,11 +395,12 @@ DSV3_AVX512 void rows_any(WRows w, Rows xs, OutRows y, Scratch& s, const char* w
   }
   constexpr size_t esz = elem_size<T>();
   const int64_t Kp = round64(w.K);
-  float* panel = s.get<float>(2, size_t(4 * Kp));
-  for (int64_t p = 0; p < w.nr; p += 4) {
-    const int64_t np = std::min<int64_t>(4, w.nr - p);
+  float* panel = s.get<float>(2, size_t(kPanelRows * Kp));
+  for (int64_t p = 0; p < w.nr; p += kPanelRows) {
+    const int64_t np = std::min<int64_t>(kPanelRows, w.nr - p);
     to_panel<T>(static_cast<const char*>(w.p) + size_t(p * w.ld) * esz, w.ld, np, w.K, panel, Kp);
-    panel_rows(panel, Kp, np, xs, Kp, {y.p + p, y.ld});
+    for (int64_t k0 = 0; k0 < Kp; k0 += kPanelK)
+      panel_rows(panel + k0, Kp, np, {xs.p + k0, xs.n, xs.ld}, std::min(kPanelK, Kp - k0), {y.p + p, y.ld}, k0 > 0);
   }
 }
 
