@@ -143,9 +143,33 @@ void check_every_e4m3_code(cpu::Isa isa, int64_t M) {
     }
 }
 
+// The same through the transposed product (y[m][c] = sum_d x[m][d] W[d][c]): one-hot x picks a
+// row, whose codes (every one, across two scale blocks of columns) must come back exactly.
+void check_every_e4m3_code_t(cpu::Isa isa, int64_t M) {
+  const int64_t rows = 128, C = 256;
+  std::vector<uint8_t> w(size_t(rows * C));
+  for (int64_t i = 0; i < rows * C; ++i) {
+    w[size_t(i)] = uint8_t((i / C * 131 + i % C) % 256);
+    if ((w[size_t(i)] & 0x7f) == 0x7f) w[size_t(i)] = 0x80;
+  }
+  std::vector<float> s(2, std::ldexp(1.f, -8));
+  Linear lin{{DType::F8_E4M3, {rows, C}, w.data()}, {DType::F32, {1, 2}, s.data()}};
+  cpu::Scratch scr;
+  std::vector<float> x(size_t(M * rows), 0.f), y(size_t(M * C));
+  for (int64_t m = 0; m < M; ++m) x[size_t(m * rows + (m * 37) % rows)] = 1.f;
+  cpu::kernels(isa).matmul_t({x.data(), M, rows}, lin, {0, rows}, {y.data(), C}, scr);
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t c = 0; c < C; ++c) {
+      const uint8_t b = w[size_t(((m * 37) % rows) * C + c)];
+      ASSERT_EQ(y[size_t(m * C + c)], e4m3_to_f32(b) * std::ldexp(1.f, -8)) << cpu::isa_name(isa) << " code " << int(b) << " M " << M;
+    }
+}
+
 TEST(CpuKernels, EveryE4m3CodeConvertsExactly) {
-  for (cpu::Isa isa : isas())
+  for (cpu::Isa isa : isas()) {
     for (int64_t M : {1, 3, 4, 40}) check_every_e4m3_code(isa, M);
+    for (int64_t M : {1, 9, 40}) check_every_e4m3_code_t(isa, M);
+  }
 }
 
 // --- matmul vs the float32 loop -----------------------------------------------------------------------

@@ -16,6 +16,7 @@
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
+#include <utility>
 
 #include "backend/cpu/kernels.h"
 #include "backend/cpu/simd_avx512.h"
@@ -596,32 +597,82 @@ DSV3_AVX512 void t_direct_tokens(Rows x, const Linear& wl, RowRange rows, OutRow
   }
 }
 
-// Many tokens: a transposed float32 copy of the block (scales applied), then the panel kernel.
-DSV3_AVX512 void matmul_t_generic(Rows xr, const Linear& wl, RowRange rows, OutRows yr, Scratch& s) {
-  const float* x = xr.p;
-  float* y = yr.p;
-  const int64_t M = xr.n, ldx = xr.ld, d0 = rows.r0, nd = rows.n, ldy = yr.ld;
-  const int64_t C = wl.in(), ndp = round64(nd);
-  float* wt = s.get<float>(3, size_t(C * ndp));
-  const int64_t kb = ceil_div(C, kBlock);
-  for (int64_t c = 0; c < C; ++c) std::fill(wt + c * ndp + nd, wt + (c + 1) * ndp, 0.f);
+// Many tokens: the block's rows as float32 (scales applied; a row-major copy in L2), then an
+// outer-product tile per 32 columns x up to 12 tokens: each row d's two column vectors meet the
+// tokens' x[m][d] broadcast (24 accumulators, no reductions; the 32-column slice of the copy stays
+// in L1 while the token tiles pass over it).
+constexpr int kOuterTokens = 12;
+
+// y[m][c0 + j] = sum_d x[m][d] w[d][c0 + j] for NT tokens and j < nc (<= 32; w's rows zero padded
+// to 32 columns past the end).
+template <int NT>
+DSV3_AVX512 void outer_tile(const float* w, int64_t ldw, int64_t nd, Rows xr, int64_t nc, float* y, int64_t ldy) {
+  __m512 acc[NT][2];
+  DSV3_UNROLL
+  for (int t = 0; t < NT; ++t) acc[t][0] = acc[t][1] = _mm512_setzero_ps();
   for (int64_t d = 0; d < nd; ++d) {
-    const int64_t row = d0 + d;
-    if (wl.fp8()) {
-      const uint8_t* q = wl.weight.as<uint8_t>() + row * C;
-      const float* sr = wl.scale.as<float>() + (row / kBlock) * kb;
-      for (int64_t c = 0; c < C; ++c) wt[c * ndp + d] = e4m3_to_f32(q[c]) * sr[c / kBlock];
-    } else {
-      for (int64_t c = 0; c < C; ++c) wt[c * ndp + d] = load_f32(wl.weight, row * C + c);
+    const __m512 w0 = _mm512_loadu_ps(w + d * ldw), w1 = _mm512_loadu_ps(w + d * ldw + 16);
+    DSV3_UNROLL
+    for (int t = 0; t < NT; ++t) {
+      const __m512 b = _mm512_set1_ps(xr.p[t * xr.ld + d]);
+      acc[t][0] = _mm512_fmadd_ps(w0, b, acc[t][0]);
+      acc[t][1] = _mm512_fmadd_ps(w1, b, acc[t][1]);
     }
   }
-  const int64_t mt = token_tile(M, ndp);
-  float* xs = s.get<float>(0, size_t(mt * ndp));
-  for (int64_t m0 = 0; m0 < M; m0 += mt) {
-    const int64_t mm = std::min(mt, M - m0);
-    pack_x({x + m0 * ldx, mm, ldx}, nd, nullptr, {xs, ndp}, kPermNatural);
-    panel_rows(wt, ndp, C, {xs, mm, ndp}, ndp, {y + m0 * ldy, ldy});
+  const __mmask16 m0 = tail_mask16(nc), m1 = nc > 16 ? tail_mask16(nc - 16) : 0;
+  DSV3_UNROLL
+  for (int t = 0; t < NT; ++t) {
+    _mm512_mask_storeu_ps(y + t * ldy, m0, acc[t][0]);
+    _mm512_mask_storeu_ps(y + t * ldy + 16, m1, acc[t][1]);
   }
+}
+
+template <int... NT>
+DSV3_AVX512 void outer_tokens(const float* w, int64_t ldw, int64_t nd, Rows xr, int64_t nc, float* y, int64_t ldy,
+                              std::integer_sequence<int, NT...>) {
+  ((xr.n == NT + 1 ? outer_tile<NT + 1>(w, ldw, nd, xr, nc, y, ldy) : void()), ...);
+}
+
+// 16 e4m3 bytes (n valid, zeros past them) -> 16 floats in order, times f: a byte's low 7 bits
+// shifted into a float32's exponent and mantissa fields are its value * 2^-120 (subnormal codes
+// become float32 subnormals, exact; needs MXCSR.DAZ clear), times 2^120 (exact), then f (the one
+// rounding, as e4m3_to_f32(b) * f). Codes 0x7F / 0xFF are NaN, as e4m3_to_f32 says.
+DSV3_AVX512_INLINE __m512 e4m3x16(const uint8_t* p, int64_t n, float f) {
+  const __m512i b = _mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(tail_mask16(n), p));
+  const __m512i mag = _mm512_and_si512(b, _mm512_set1_epi32(0x7F));
+  const __m512i bits = _mm512_or_si512(_mm512_slli_epi32(mag, 20), _mm512_slli_epi32(_mm512_srli_epi32(b, 7), 31));
+  const __m512 v = _mm512_mul_ps(_mm512_mul_ps(_mm512_castsi512_ps(bits), _mm512_set1_ps(0x1p120f)), _mm512_set1_ps(f));
+  return _mm512_mask_mov_ps(v, _mm512_cmpeq_epi32_mask(mag, _mm512_set1_epi32(0x7F)), _mm512_set1_ps(NAN));
+}
+
+DSV3_AVX512 void matmul_t_generic(Rows xr, const Linear& wl, RowRange rows, OutRows yr, Scratch& s) {
+  const int64_t M = xr.n, d0 = rows.r0, nd = rows.n;
+  const int64_t C = wl.in(), ldw = (C + 31) / 32 * 32;
+  float* w = s.get<float>(3, size_t(nd * ldw));
+  const int64_t kb = ceil_div(C, kBlock);
+  const bool daz_clear = (_mm_getcsr() & 0x40) == 0;
+  for (int64_t d = 0; d < nd; ++d) {
+    const int64_t row = d0 + d;
+    float* wr = w + d * ldw;
+    if (wl.fp8() && daz_clear) {
+      const uint8_t* q = wl.weight.as<uint8_t>() + row * C;
+      const float* sr = wl.scale.as<float>() + (row / kBlock) * kb;
+      for (int64_t c = 0; c < C; c += 16) _mm512_storeu_ps(wr + c, e4m3x16(q + c, C - c, sr[c / kBlock]));
+    } else if (wl.fp8()) {
+      const uint8_t* q = wl.weight.as<uint8_t>() + row * C;
+      const float* sr = wl.scale.as<float>() + (row / kBlock) * kb;
+      for (int64_t c = 0; c < C; ++c) wr[c] = e4m3_to_f32(q[c]) * sr[c / kBlock];
+    } else {
+      for (int64_t c = 0; c < C; ++c) wr[c] = load_f32(wl.weight, row * C + c);
+    }
+    std::fill(wr + C, wr + ldw, 0.f);
+  }
+  for (int64_t c0 = 0; c0 < C; c0 += 32)
+    for (int64_t m = 0; m < M; m += kOuterTokens) {
+      const Rows xm{xr.p + m * xr.ld, std::min<int64_t>(kOuterTokens, M - m), xr.ld};
+      outer_tokens(w + c0, ldw, nd, xm, std::min<int64_t>(32, C - c0), yr.p + m * yr.ld + c0, yr.ld,
+                   std::make_integer_sequence<int, kOuterTokens>{});
+    }
 }
 
 DSV3_AVX512 void matmul_t_avx512(Rows x, const Linear& wl, RowRange rows, OutRows y, Scratch& s) {
