@@ -121,13 +121,18 @@ RefDot ref_dot(const float* x, int64_t sx, const float* w, int64_t sw, int64_t n
 // --- e4m3 conversion: every code, exactly -----------------------------------------------------------
 // W[r][c] = code (r * 131 + c) % 256; one-hot activations read single weights back. Scale 2^-8
 // makes the folded activation scale exactly 1, so y must equal the code's value * 2^-8 exactly.
-void check_every_e4m3_code(cpu::Isa isa, int64_t M) {
-  const int64_t out = 256, in = 128;
-  std::vector<uint8_t> w(size_t(out * in));
-  for (int64_t i = 0; i < out * in; ++i) {
-    w[size_t(i)] = uint8_t((i / in * 131 + i % in) % 256);
+std::vector<uint8_t> every_code_weights(int64_t rows, int64_t cols) {  // W[r][c] = (r * 131 + c) % 256
+  std::vector<uint8_t> w(size_t(rows * cols));
+  for (int64_t i = 0; i < rows * cols; ++i) {
+    w[size_t(i)] = uint8_t((i / cols * 131 + i % cols) % 256);
     if ((w[size_t(i)] & 0x7f) == 0x7f) w[size_t(i)] = 0x80;  // NaN codes would poison the sums; -0 instead
   }
+  return w;
+}
+
+void check_every_e4m3_code(cpu::Isa isa, int64_t M) {
+  const int64_t out = 256, in = 128;
+  const std::vector<uint8_t> w = every_code_weights(out, in);
   std::vector<float> s(2, std::ldexp(1.f, -8));
   Linear lin{{DType::F8_E4M3, {out, in}, w.data()}, {DType::F32, {2, 1}, s.data()}};
   cpu::Scratch scr;
@@ -147,11 +152,7 @@ void check_every_e4m3_code(cpu::Isa isa, int64_t M) {
 // row, whose codes (every one, across two scale blocks of columns) must come back exactly.
 void check_every_e4m3_code_t(cpu::Isa isa, int64_t M) {
   const int64_t rows = 128, C = 256;
-  std::vector<uint8_t> w(size_t(rows * C));
-  for (int64_t i = 0; i < rows * C; ++i) {
-    w[size_t(i)] = uint8_t((i / C * 131 + i % C) % 256);
-    if ((w[size_t(i)] & 0x7f) == 0x7f) w[size_t(i)] = 0x80;
-  }
+  const std::vector<uint8_t> w = every_code_weights(rows, C);
   std::vector<float> s(2, std::ldexp(1.f, -8));
   Linear lin{{DType::F8_E4M3, {rows, C}, w.data()}, {DType::F32, {1, 2}, s.data()}};
   cpu::Scratch scr;
