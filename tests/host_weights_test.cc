@@ -137,8 +137,11 @@ TEST(HostWeights, LockPinsTheCopyOrSaysWhyNot) {
   m.lock = true;
   const WeightPlacement p = place_host_weights(w, m, &arena);
   if (p.locked) {
-    EXPECT_GE(vm_locked_bytes() - before, int64_t(arena.size()) / 4096 * 4096) << p.note;
     EXPECT_NE(p.note.find(", locked"), std::string::npos) << p.note;
+#if defined(__SANITIZE_ADDRESS__)
+    GTEST_SKIP() << "AddressSanitizer's mlock succeeds without pinning anything: VmLck cannot show the pin";
+#endif
+    EXPECT_GE(vm_locked_bytes() - before, int64_t(arena.size()) / 4096 * 4096) << p.note;
   } else {
     EXPECT_NE(p.note.find("warning: mlock refused"), std::string::npos) << p.note;
   }
