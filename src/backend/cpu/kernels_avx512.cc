@@ -654,14 +654,14 @@ DSV3_AVX512 void matmul_t_generic(Rows xr, const Linear& wl, RowRange rows, OutR
   for (int64_t d = 0; d < nd; ++d) {
     const int64_t row = d0 + d;
     float* wr = w + d * ldw;
-    if (wl.fp8() && daz_clear) {
+    if (wl.fp8()) {
       const uint8_t* q = wl.weight.as<uint8_t>() + row * C;
       const float* sr = wl.scale.as<float>() + (row / kBlock) * kb;
-      for (int64_t c = 0; c < C; c += 16) _mm512_storeu_ps(wr + c, e4m3x16(q + c, C - c, sr[c / kBlock]));
-    } else if (wl.fp8()) {
-      const uint8_t* q = wl.weight.as<uint8_t>() + row * C;
-      const float* sr = wl.scale.as<float>() + (row / kBlock) * kb;
-      for (int64_t c = 0; c < C; ++c) wr[c] = e4m3_to_f32(q[c]) * sr[c / kBlock];
+      if (daz_clear) {
+        for (int64_t c = 0; c < C; c += 16) _mm512_storeu_ps(wr + c, e4m3x16(q + c, C - c, sr[c / kBlock]));
+      } else {
+        for (int64_t c = 0; c < C; ++c) wr[c] = e4m3_to_f32(q[c]) * sr[c / kBlock];
+      }
     } else {
       for (int64_t c = 0; c < C; ++c) wr[c] = load_f32(wl.weight, row * C + c);
     }

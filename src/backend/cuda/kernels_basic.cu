@@ -202,7 +202,7 @@ void add(const Launch& L, float* y, const float* x, int64_t n) {
   // float4 where both buffers are 16-byte aligned (device allocations are; a view into a row may not be).
   const bool aligned = reinterpret_cast<uintptr_t>(y) % 16 == 0 && reinterpret_cast<uintptr_t>(x) % 16 == 0;
   const int64_t n4 = aligned ? n / 4 : 0;
-  launch(L, add_kernel, dim3(grid_for(n4 + (n - 4 * n4) / 4 + 1, 256)), dim3(256), 0, y, x, n, n4);
+  launch(L, add_kernel, dim3(grid_for(n / 4 + 1, 256)), dim3(256), 0, y, x, n, n4);
 }
 
 namespace {
