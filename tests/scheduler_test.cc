@@ -422,11 +422,24 @@ TEST(ServingBench, ReportsEveryLevelWithExactOutputsAndThePrefixCache) {
     EXPECT_GT(r["kv_blocks_peak"].get<int>(), 0);
     // The 64-token prefix every prompt shares comes from the cache once published.
     EXPECT_GT(r["prefix_cache_hit_rate"].get<double>(), 0.5);
+    EXPECT_TRUE(r["prefix_cache"].get<bool>());
   }
+  // --prefix-cache off: the same load computes every prefix.
+  const std::string off = std::string(DSV3_BINARY) + " bench --model " + case_dir("v3_fp8") +
+                          "/hf --concurrency 4 --requests 6 --input-len 20 --output-len 5 --shared-prefix 64 "
+                          "--prefix-cache off --threads 2 --json >" + out + " 2>/dev/null";
+  ASSERT_EQ(std::system(off.c_str()), 0) << off;
+  std::ifstream f2(out);
+  const nlohmann::json r = nlohmann::json::parse(f2).at(0);
+  EXPECT_EQ(r["completed"].get<int>(), 6);
+  EXPECT_FALSE(r["prefix_cache"].get<bool>());
+  EXPECT_EQ(r["prefix_cache_hit_rate"].get<double>(), 0.0);
   std::remove(out.c_str());
-  const std::string bad = std::string(DSV3_BINARY) + " bench --model " + case_dir("v3_fp8") +
-                          "/hf --concurrency 0 >/dev/null 2>&1";
-  EXPECT_NE(std::system(bad.c_str()), 0);
+  for (const char* args : {" --concurrency 0", " --concurrency 4 --prefix-cache maybe"}) {
+    const std::string bad = std::string(DSV3_BINARY) + " bench --model " + case_dir("v3_fp8") + "/hf" + args +
+                            " >/dev/null 2>&1";
+    EXPECT_NE(std::system(bad.c_str()), 0) << args;
+  }
 }
 
 }  // namespace

@@ -43,9 +43,9 @@ std::vector<int> int_list(const std::string& s, const char* what, int lo, int hi
 double since(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
 
 // One concurrency level: every request through the scheduler, timed from its submission.
-json run_level(Model& model, const ServingLoad& l, const std::vector<int32_t>& prefix, int max_step_tokens) {
-  SchedulerOptions so;
-  so.eos = -1, so.max_seqs = l.concurrency, so.max_step_tokens = max_step_tokens;
+json run_level(Model& model, const ServingLoad& l, const std::vector<int32_t>& prefix, const SchedulerOptions& base) {
+  SchedulerOptions so = base;
+  so.eos = -1, so.max_seqs = l.concurrency;
   Scheduler sched(model, so);
   sched.start();
   const int V = model.args().vocab_size;
@@ -107,6 +107,7 @@ json run_level(Model& model, const ServingLoad& l, const std::vector<int32_t>& p
   rep["kv_blocks_total"] = st.kv_blocks_total;
   rep["prefix_cache_hit_rate"] = queried > 0 ? double(st.prefix_hit_tokens - before.prefix_hit_tokens) / double(queried) : 0.0;
   rep["preemptions"] = st.preemptions - before.preemptions;
+  rep["prefix_cache"] = so.prefix_cache;
   return rep;
 }
 
@@ -133,6 +134,10 @@ int run_serving_bench(const Args& args) {
   if (!(base.rate > 0)) fail("--request-rate must be > 0 requests per second (default: all at once)");
   if (shared < 0) fail("--shared-prefix must be >= 0 tokens, got ", shared);
   if (step_tokens < 1) fail("--max-step-tokens must be >= 1, got ", step_tokens);
+  const std::string pc = args.get("prefix-cache", "on");
+  if (pc != "on" && pc != "off") fail("--prefix-cache must be on or off, got '", pc, "'");
+  SchedulerOptions sched;
+  sched.max_step_tokens = int(step_tokens), sched.prefix_cache = pc == "on";
   BenchSource src = bench_source(args, backend == "cuda");
   const int max_c = *std::max_element(levels.begin(), levels.end());
   ModelOptions opt;
@@ -162,9 +167,9 @@ int run_serving_bench(const Args& args) {
     {  // warm-up: a few requests of the same shape (recorded steps, scratch, caches)
       ServingLoad w = l;
       w.requests = std::min(c, 4), w.output_len = std::min(l.output_len, 4), w.seed = l.seed + 7;
-      run_level(*model, w, prefix, int(step_tokens));
+      run_level(*model, w, prefix, sched);
     }
-    json rep = run_level(*model, l, prefix, int(step_tokens));
+    json rep = run_level(*model, l, prefix, sched);
     rep["model"] = what, rep["backend"] = backend;
     if (!args.has("json")) print_serving_report(rep);
     all.push_back(rep);

@@ -126,7 +126,7 @@ int run_bench(int argc, char** argv) {
   Args args(argc, argv,
             {"model", "config", "backend", "device", "batch", "prompt", "gen", "threads", "decode-ctx", "kv-cache-gb", "bw-gb",
              "seed", "attn", "synthetic", "dtype", "layers", "vocab", "concurrency", "input-len", "output-len", "requests",
-             "request-rate", "max-step-tokens", "shared-prefix", "weight-memory"},
+             "request-rate", "max-step-tokens", "shared-prefix", "prefix-cache", "weight-memory"},
             {"json", "mlock"});
   if (launched_by_mpi()) fail("dsv3 bench measures one process; run it without mpirun");
   if (args.has("concurrency")) return run_serving_bench(args);
