@@ -1005,6 +1005,36 @@ TEST(CudaOps, MlaLongRunMatchesRef) {
   }
 }
 
+// The absorbed attention in double on the host: ol[i, h, :] = softmax_t((qa[i,h]·kv[t] +
+// q_pe[i,h]·pe[t]) * scale) · kv over token i's positions [0, pos_i], rows through the tables.
+std::vector<float> absorbed_attention_f64(const cuda::MlaDims& d, const KvView& kvv, const std::vector<cuda::DevPos>& tp,
+                                          const std::vector<float>& qa, const std::vector<float>& q,
+                                          const std::vector<float>& ckv, const std::vector<float>& cpe) {
+  const int64_t n = int64_t(tp.size()), H = d.H, C = d.C, R = d.R, qk = d.qk();
+  std::vector<float> want(size_t(n * H * C));
+  for (int64_t i = 0; i < n; ++i)
+    for (int64_t h = 0; h < H; ++h) {
+      const int64_t len = tp[size_t(i)].pos + 1;
+      std::vector<double> sc(static_cast<size_t>(len)), o(size_t(C), 0.0);
+      double mx = -1e300, sum = 0;
+      for (int64_t t = 0; t < len; ++t) {
+        const int64_t row = kvv.row(tp[size_t(i)].slot, t);
+        double v = 0;
+        for (int64_t c = 0; c < C; ++c) v += double(qa[size_t((i * H + h) * C + c)]) * ckv[size_t(row * C + c)];
+        for (int64_t c = 0; c < R; ++c) v += double(q[size_t((i * H + h) * qk + d.nope + c)]) * cpe[size_t(row * R + c)];
+        sc[size_t(t)] = v * d.scale;
+        mx = std::max(mx, sc[size_t(t)]);
+      }
+      for (auto& v : sc) sum += (v = std::exp(v - mx));
+      for (int64_t t = 0; t < len; ++t) {
+        const float* kv = ckv.data() + kvv.row(tp[size_t(i)].slot, t) * C;
+        for (int64_t c = 0; c < C; ++c) o[size_t(c)] += sc[size_t(t)] * kv[c];
+      }
+      for (int64_t c = 0; c < C; ++c) want[size_t((i * H + h) * C + c)] = float(o[size_t(c)] / sum);
+    }
+  return want;
+}
+
 // The one-launch decode attention (scores, softmax, latent sum, split combination by the last
 // block) at the real models' latent shape against double on the host, reading the cache through
 // block tables of 16-position blocks interleaved across sequences: tokens at the first, a middle
@@ -1024,27 +1054,7 @@ TEST(CudaOps, DecodeAttentionMatchesFloat64) {
   ASSERT_TRUE(cuda::mla_decode_ok(d, n, 4096));
   const std::vector<float> qa = randn(size_t(n * H * C), 51), q = randn(size_t(n * H * qk), 52),
                            ckv = randn(size_t(paged.rows() * C), 53, 0.5f), cpe = randn(size_t(paged.rows() * R), 54, 0.5f);
-  std::vector<float> want(size_t(n * H * C));
-  for (int64_t i = 0; i < n; ++i)
-    for (int64_t h = 0; h < H; ++h) {
-      const int64_t len = tp[size_t(i)].pos + 1;
-      std::vector<double> sc(static_cast<size_t>(len));
-      double mx = -1e300, sum = 0;
-      for (int64_t t = 0; t < len; ++t) {
-        const int64_t row = kvv.row(tp[size_t(i)].slot, t);
-        double v = 0;
-        for (int64_t c = 0; c < C; ++c) v += double(qa[size_t((i * H + h) * C + c)]) * ckv[size_t(row * C + c)];
-        for (int64_t c = 0; c < R; ++c) v += double(q[size_t((i * H + h) * qk + d.nope + c)]) * cpe[size_t(row * R + c)];
-        sc[size_t(t)] = v * d.scale;
-        mx = std::max(mx, sc[size_t(t)]);
-      }
-      for (auto& v : sc) sum += (v = std::exp(v - mx));
-      for (int64_t c = 0; c < C; ++c) {
-        double o = 0;
-        for (int64_t t = 0; t < len; ++t) o += sc[size_t(t)] * ckv[size_t(kvv.row(tp[size_t(i)].slot, t) * C + c)];
-        want[size_t((i * H + h) * C + c)] = float(o / sum);
-      }
-    }
+  const std::vector<float> want = absorbed_attention_f64(d, kvv, tp, qa, q, ckv, cpe);
   EXPECT_GT(cuda::mla_decode_splits(d, n), 3) << "the case is meant to split the positions";
   Dev dqa(*cuda, qa), dq(*cuda, q), dkv(*cuda, ckv), dpe(*cuda, cpe), cnt(*cuda, 4096);
   Dev dpos(*cuda, pos_words(tp.data(), tp.size()));
@@ -1086,6 +1096,57 @@ TEST(CudaOps, DecodeAttentionMatchesFloat64) {
       EXPECT_LE(rel_l2(got.data(), want.data() + i * H * C, got.size()), 1e-5)
           << "token " << i << " alone, " << ns << " splits, " << hb << " heads per block";
     }
+}
+
+// The many-token decode attention (serving batches) against double on the host: 40 tokens of
+// 40 sequences at positions around tile (32) and block (16) edges, the first and the last cache
+// position, through interleaved block tables; its own split count, 3 splits and none; the
+// 16B shape's heads and latent, and a small shape with 20 heads (a second, partial head group).
+TEST(CudaOps, ManyTokenAttentionMatchesFloat64) {
+  REQUIRE_GPU();
+  auto cuda = make_cuda_backend(opts());
+  for (int shape = 0; shape < 2; ++shape) {
+    const test::Paged paged(40, shape == 0 ? 1024 : 256);
+    const KvView kvv = paged.view();
+    DevTables tables(*cuda, paged);
+    cuda::MlaDims d;
+    if (shape == 0) d.H = 16, d.nope = 128, d.R = 64, d.C = 512, d.V = 128, d.scale = 0.0721f;
+    else d.H = 20, d.nope = 16, d.R = 8, d.C = 32, d.V = 16, d.scale = 0.25f;
+    tables.set(d, paged);
+    std::vector<cuda::DevPos> tp;
+    const int32_t last = int32_t(paged.width * paged.block - 1);
+    const int32_t at[] = {0, 1, 15, 16, 31, 32, 33, 63, 64, 95, 127, 128, 200, 255, last};
+    for (int32_t s = 0; s < 40; ++s) tp.push_back({s, std::min(last, at[s % 15] + (s / 15) * 37)});
+    const int64_t n = int64_t(tp.size()), H = d.H, C = d.C, R = d.R, qk = d.qk();
+    ASSERT_TRUE(cuda::mla_many_ok(d));
+    const std::vector<float> qa = randn(size_t(n * H * C), 61), q = randn(size_t(n * H * qk), 62),
+                             ckv = randn(size_t(paged.rows() * C), 63, 0.5f),
+                             cpe = randn(size_t(paged.rows() * R), 64, 0.5f);
+    const std::vector<float> want = absorbed_attention_f64(d, kvv, tp, qa, q, ckv, cpe);
+    Dev dqa(*cuda, qa), dq(*cuda, q), dkv(*cuda, ckv), dpe(*cuda, cpe);
+    Dev dpos(*cuda, pos_words(tp.data(), tp.size()));
+    int64_t len_max = 0;
+    for (const cuda::DevPos& t : tp) len_max = std::max<int64_t>(len_max, t.pos + 1);
+    // Splits over max_len (as a recorded step) or over the step's longest length.
+    for (auto [ns, lm] : {std::pair{cuda::mla_many_splits(d, n, 0), int64_t(0)}, {3, 0}, {1, 0},
+                          {cuda::mla_many_splits(d, n, len_max), len_max}, {2, len_max}}) {
+      Dev part(*cuda, size_t(ns * n * H * C)), ml(*cuda, size_t(ns * n * H * 2));
+      Dev out(*cuda, std::vector<float>(want.size(), std::nanf("")));
+      cuda::DecodeAttn da;
+      da.qa = dqa.p, da.q = dq.p, da.cache_kv = dkv.p, da.cache_pe = dpe.p, da.nsplit = ns, da.part = part.p;
+      da.ml = ml.p, da.ol = out.p, da.len_max = lm;
+      cuda::Launch L;
+      cuda::mla_decode_many(L, d, reinterpret_cast<const cuda::DevPos*>(dpos.p), n, da);
+      ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+      const std::vector<float> got = out.get();
+      for (size_t e = 0; e < got.size(); ++e) ASSERT_TRUE(std::isfinite(got[e])) << "unwritten or NaN at " << e;
+      const std::string what = str("shape ", shape, ", ", ns, " splits over ", lm ? lm : d.max_len, " positions");
+      EXPECT_LE(rel_l2(got.data(), want.data(), got.size()), 1e-5) << what;
+      for (int64_t i = 0; i < n; ++i)  // each token on its own, so no token's error hides in the others'
+        EXPECT_LE(rel_l2(got.data() + i * H * C, want.data() + i * H * C, size_t(H * C)), 2e-5)
+            << what << ", token " << i << " at " << tp[size_t(i)].pos;
+    }
+  }
 }
 
 // One token at position p of a single-token decode attention test: its position on the device
@@ -1602,7 +1663,7 @@ TEST_P(CudaGolden, EveryStepMatchesFp32Logits) {
   CudaOptions o;
   if (p.variant == 1) o.graphs = false, o.pdl = false, o.tune.gemv_max = 0, o.tune.tc_min = 1 << 30;
   if (p.variant == 2) o.fast = true, o.tune.fast_min = 16;  // the golden prefills (28 tokens) in fast mode
-  if (p.variant == 3) o.graphs = false, o.tune.gemv_max = 0, o.tune.tc_min = 1;
+  if (p.variant == 3) o.graphs = false, o.tune.gemv_max = 0, o.tune.tc_min = 1, o.tune.attn_many_min = 1;
   SafetensorsFile g(case_dir(p.name) + "/golden.safetensors");
   ModelOptions mo;
   mo.attn = p.attn;
@@ -1655,7 +1716,7 @@ TEST_P(CudaGolden, PrefixLogitsMatch) {
   if (p.variant == 2) GTEST_SKIP() << "covered by the step test";
   CudaOptions o;
   if (p.variant == 1) o.graphs = false, o.pdl = false, o.tune.gemv_max = 0, o.tune.tc_min = 1 << 30;
-  if (p.variant == 3) o.graphs = false, o.tune.gemv_max = 0, o.tune.tc_min = 1;
+  if (p.variant == 3) o.graphs = false, o.tune.gemv_max = 0, o.tune.tc_min = 1, o.tune.attn_many_min = 1;
   SafetensorsFile g(case_dir(p.name) + "/golden.safetensors");
   TensorView prefix = g.get("prefix_tokens"), want = g.get("prefix_logits_fp32");
   const int L = int(prefix.dim(1));

@@ -1,6 +1,7 @@
 // The CUDA backend's multi-head latent attention over the paged cache: RoPE, kv_norm and the
 // cache write, then for few tokens (decode) the absorbed form in one launch (q absorption, the
-// split attention over the latent cache, the value absorption), and for long runs of one
+// split attention over the latent cache, the value absorption), for many tokens of different
+// sequences (serving batches) the same form with the cache rows staged for all heads, and for long runs of one
 // sequence (prefill) the latent rows gathered and decompressed through wkv_b, then one flash-style
 // kernel (or cuBLAS scores, softmax and values where its head dims do not fit).
 #include <algorithm>
@@ -82,8 +83,13 @@ void CudaBackend::mla(const MlaCall& c) {
   sh.xs = C, sh.ys = V, sh.wrows = nope + V;
   cuda::DecodeAttn da;
   da.hb = cuda::mla_decode_heads(n);
-  const bool one = n <= 16 && cuda::mla_decode_ok(d, n, kAttnCounters, da.hb);
-  const int ns = one ? cuda::mla_decode_splits(d, n, 0, da.hb) : cuda::mla_splits(d, n);
+  const bool one = n <= 16 && n < opt_.tune.attn_many_min && cuda::mla_decode_ok(d, n, kAttnCounters, da.hb);
+  const bool many = !one && n >= opt_.tune.attn_many_min && cuda::mla_many_ok(d);
+  if (many && !(opt_.graphs && n <= opt_.tune.graph_max))  // (a step that may be recorded keeps max_len)
+    for (int64_t i = 0; i < n; ++i) da.len_max = std::max<int64_t>(da.len_max, tp[i].pos + 1);
+  const int ns = one    ? cuda::mla_decode_splits(d, n, 0, da.hb)
+                 : many ? cuda::mla_many_splits(d, n, da.len_max)
+                        : cuda::mla_splits(d, n);
   float* part = ns > 1 ? f32(kPart, size_t(ns * n * H * C)) : nullptr;
   float* ml = ns > 1 ? f32(kMl, size_t(ns * n * H * 2)) : nullptr;
   // One token: the value absorption combines the attention's splits.
@@ -101,6 +107,11 @@ void CudaBackend::mla(const MlaCall& c) {
     da.qa = qa, da.q = q, da.cache_kv = cache.kv, da.cache_pe = cache.pe, da.nsplit = ns, da.part = part, da.ml = ml;
     da.counters = attn_counters_, da.ol = ol, da.combine = !splits_to_vabs;
     cuda::mla_decode_attn(L_, d, pos, n, da);
+  } else if (many) {
+    mark("mla.attn");
+    da.qa = qa, da.q = q, da.cache_kv = cache.kv, da.cache_pe = cache.pe, da.nsplit = ns, da.part = part, da.ml = ml;
+    da.ol = ol;
+    cuda::mla_decode_many(L_, d, pos, n, da);
   } else {
     float* S = f32(kS, size_t(n * H * d.max_len));
     mark("mla.scores");

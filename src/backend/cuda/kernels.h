@@ -394,8 +394,17 @@ struct DecodeAttn {
   float* ol = nullptr;              // [n, H, C] the weighted latent sums
   int hb = 2;
   bool combine = true;  // false: with several splits only part and ml are written (gemv_splits combines them)
+  int64_t len_max = 0;  // mla_decode_many: positions no token of the step passes (its splits' size; 0: max_len)
 };
 void mla_decode_attn(const Launch& L, const MlaDims& d, const DevPos* pos, int64_t n, const DecodeAttn& a);
+// The same attention for any number of tokens (serving batches; kernels_mla.cu): a block per
+// (token, 16 heads, position split) stages 32 cache rows at a time in shared memory for all its
+// heads. Uses a.qa, q, cache_kv, cache_pe, nsplit (mla_many_splits for the same len_max), len_max,
+// part and ml (nsplit > 1; combined by a second launch) and ol. A recorded step must pass
+// len_max = 0 (its splits then cover max_len). mla_many_ok: C and R multiples of 4, C <= 512.
+bool mla_many_ok(const MlaDims& d);
+int mla_many_splits(const MlaDims& d, int64_t n, int64_t len_max);
+void mla_decode_many(const Launch& L, const MlaDims& d, const DevPos* pos, int64_t n, const DecodeAttn& a);
 // Naive: k_nope and v of the new tokens from kvb [n, H * (nope + V)] into the caches.
 void mla_naive_store(const Launch& L, const MlaDims& d, const DevPos* pos, int64_t n, const float* kvb,
                      float* cache_k, float* cache_v);

@@ -7,6 +7,7 @@
 #include <algorithm>
 
 #include "backend/cuda/common.cuh"
+#include "backend/cuda/mma.cuh"
 #include "core/error.h"
 
 namespace dsv3::cuda {
@@ -238,19 +239,26 @@ __global__ void __launch_bounds__(256) qabs_kernel(MlaDims d, DevLinear w, const
 }
 
 // Absorbed decode: the q absorption (reads q's nope parts) and RoPE/kv_norm/cache write (q's rope
-// parts, the cache) touch disjoint data: one launch, blocks [0, H * C/64) absorb, the rest prep.
-// TB > 0: the 16-byte form, TB tokens per pass; 0: qabs_block.
+// parts, the cache) touch disjoint data: one launch, blocks [0, G * H * C/64) absorb (group g:
+// tokens [g * per, (g + 1) * per)), the rest prep. TB > 0: the 16-byte form, TB tokens per pass;
+// 0: qabs_block.
 template <int WT, int TB>
-__global__ void __launch_bounds__(256) prep_qabs_kernel(PrepArgs P, DevLinear w, int64_t n, float* __restrict__ qa) {
+__global__ void __launch_bounds__(256) prep_qabs_kernel(PrepArgs P, DevLinear w, int64_t n, float* __restrict__ qa,
+                                                        int64_t per) {
   extern __shared__ float smem[];
   const int nq = P.d.H * int((P.d.C + 63) / 64);
-  if (int(blockIdx.x) < nq) {
-    if constexpr (TB > 0) qabs_vec_block<WT, TB>(P.d, w, P.q, n, qa, blockIdx.x % P.d.H, blockIdx.x / P.d.H, smem);
-    else qabs_block<WT>(P.d, w, P.q, n, qa, blockIdx.x % P.d.H, blockIdx.x / P.d.H, smem);
+  const int64_t groups = (n + per - 1) / per;
+  if (int64_t(blockIdx.x) < nq * groups) {
+    const int b = int(blockIdx.x % unsigned(nq));
+    const int64_t t0 = int64_t(blockIdx.x / unsigned(nq)) * per, m = min(per, n - t0);
+    const float* q = P.q + t0 * P.d.H * P.d.qk();
+    float* qa_g = qa + t0 * P.d.H * P.d.C;
+    if constexpr (TB > 0) qabs_vec_block<WT, TB>(P.d, w, q, m, qa_g, b % P.d.H, b / P.d.H, smem);
+    else qabs_block<WT>(P.d, w, q, m, qa_g, b % P.d.H, b / P.d.H, smem);
   } else {
     pdl_wait();
     pdl_trigger();
-    prep_token(P, blockIdx.x - nq, smem);
+    prep_token(P, int64_t(blockIdx.x) - nq * groups, smem);
   }
 }
 
@@ -483,7 +491,208 @@ __global__ void naive_values_kernel(MlaDims d, const DevPos* __restrict__ pos, c
   }
 }
 
+// ---- absorbed attention of many tokens (serving batches): one block per (token, 16 heads,
+// position split). The split's cache rows go through shared memory kManyTP at a time (two
+// buffers: the next tile's rows are on their way by cp.async while this one's are used), each
+// row read once for all the block's heads: scores (the warp's lanes split the row's C + R columns,
+// then a reduce-scatter of the 16 heads x 4 rows sums), a float32 online softmax, and the latent
+// sums (thread: 4 columns x 8 heads). Float32 FMAs throughout.
+constexpr int kManyTP = 32;   // cache rows per tile (= warp size: the softmax's lane per row)
+constexpr int kManyHG = 16;   // heads per block
+constexpr int kManyThreads = 256;
+
+size_t many_smem(const MlaDims& d) {
+  return sizeof(float) * (size_t(kManyHG + 2 * kManyTP) * size_t(d.C + d.R) + kManyTP * kManyHG + 3 * kManyHG);
+}
+
+// Reduce-scatter of v[N] over the warp: one halving step (the lanes with `bit` set keep the upper
+// half of the elements, the others the lower half, each adding its partner's copy).
+template <int N>
+__device__ __forceinline__ void halve(float* v, int lane, int bit) {
+  const bool up = lane & bit;
+#pragma unroll
+  for (int j = 0; j < N / 2; ++j) {
+    const float send = up ? v[j] : v[j + N / 2], keep = up ? v[j + N / 2] : v[j];
+    v[j] = keep + __shfl_xor_sync(0xffffffffu, send, bit);
+  }
+}
+
+// Cache rows [t0, t0 + tn) of sequence `slot` (latent | rope key) into dst [kManyTP][CR4] by
+// cp.async, zeros past tn; one commit group.
+__device__ __forceinline__ void many_stage_rows(const MlaDims& d, int32_t slot, int64_t t0, int tn,
+                                                const DecodeAttn& a, float4* dst) {
+  const int CR4 = (d.C + d.R) / 4, C4 = d.C / 4, R4 = d.R / 4;
+  const float4* kv4 = reinterpret_cast<const float4*>(a.cache_kv);
+  const float4* pe4 = reinterpret_cast<const float4*>(a.cache_pe);
+  for (int e = threadIdx.x; e < kManyTP * CR4; e += kManyThreads) {
+    const int r = e / CR4, k4 = e % CR4;
+    const bool ok = r < tn;
+    const int64_t row = ok ? d.row(slot, t0 + r) : 0;
+    const float4* src = k4 < C4 ? kv4 + row * C4 + k4 : pe4 + row * R4 + (k4 - C4);
+    cp_async16(smem_addr(dst + e), src, ok);
+  }
+  cp_async_commit();
+}
+
+__global__ void __launch_bounds__(kManyThreads, 1) many_kernel(MlaDims d, const DevPos* __restrict__ pos, int64_t n,
+                                                               DecodeAttn a, int64_t chunk) {
+  extern __shared__ float4 sm4[];
+  const int CR = d.C + d.R, CR4 = CR / 4, C4 = d.C / 4;
+  float4* qs = sm4;                                          // [kManyHG][CR4] queries (qa | q_pe)
+  float4* kbuf = qs + kManyHG * CR4;                         // [2][kManyTP][CR4] cache rows (latent | rope key)
+  float* ps = reinterpret_cast<float*>(kbuf + 2 * kManyTP * CR4);  // [kManyTP][kManyHG] scores, then weights
+  float* mrun = ps + kManyTP * kManyHG;                      // [kManyHG] running max, sum, this tile's rescale
+  float* lrun = mrun + kManyHG;
+  float* alpha = lrun + kManyHG;
+  pdl_wait();
+  pdl_trigger();
+  const int64_t i = blockIdx.x;
+  const int h0 = blockIdx.y * kManyHG, hb = min(kManyHG, d.H - h0), z = blockIdx.z;
+  const DevPos p = pos[i];
+  const int64_t len = int64_t(p.pos) + 1, ts = int64_t(z) * chunk, te = min(len, ts + chunk);
+  if (ts >= len) return;  // (the reduction skips this split)
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  many_stage_rows(d, p.slot, ts, int(min(int64_t(kManyTP), te - ts)), a, kbuf);
+  float* qf = reinterpret_cast<float*>(qs);
+  for (int e = tid; e < kManyHG * CR; e += kManyThreads) {
+    const int h = e / CR, j = e % CR;
+    const int64_t ih = i * d.H + h0 + h;
+    qf[e] = h >= hb ? 0.f : (j < d.C ? a.qa[ih * d.C + j] : a.q[ih * d.qk() + d.nope + (j - d.C)]);
+  }
+  if (tid < kManyHG) mrun[tid] = -INFINITY, lrun[tid] = 0.f;
+  const int c4 = tid & 127, hq = (tid >> 7) * 8;  // value pass: columns 4 c4.., heads hq..hq + 7
+  float acc[8][4];
+#pragma unroll
+  for (int j = 0; j < 8; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.f;
+  int buf = 0;
+  for (int64_t t0 = ts; t0 < te; t0 += kManyTP, buf ^= 1) {
+    const int tn = int(min(int64_t(kManyTP), te - t0));
+    if (t0 + kManyTP < te) {  // the next tile into the other buffer (free since the last barrier)
+      many_stage_rows(d, p.slot, t0 + kManyTP, int(min(int64_t(kManyTP), te - t0 - kManyTP)), a,
+                      kbuf + (buf ^ 1) * kManyTP * CR4);
+      cp_async_wait<1>();
+    } else {
+      cp_async_wait<0>();
+    }
+    __syncthreads();
+    const float4* ks = kbuf + buf * kManyTP * CR4;
+    {  // scores: warp w, rows 4w..4w+3, all heads; lanes over the columns
+      float s[kManyHG * 4];
+#pragma unroll
+      for (int e = 0; e < kManyHG * 4; ++e) s[e] = 0.f;
+      for (int k4 = lane; k4 < CR4; k4 += 32) {
+        float4 kr[4];
+#pragma unroll
+        for (int g = 0; g < 4; ++g) kr[g] = ks[(warp * 4 + g) * CR4 + k4];
+#pragma unroll
+        for (int h = 0; h < kManyHG; ++h) {
+          const float4 qv = qs[h * CR4 + k4];
+#pragma unroll
+          for (int g = 0; g < 4; ++g)
+            s[h * 4 + g] = fmaf(qv.x, kr[g].x, fmaf(qv.y, kr[g].y, fmaf(qv.z, kr[g].z, fmaf(qv.w, kr[g].w, s[h * 4 + g]))));
+        }
+      }
+      halve<64>(s, lane, 16);
+      halve<32>(s, lane, 8);
+      halve<16>(s, lane, 4);
+      halve<8>(s, lane, 2);
+      halve<4>(s, lane, 1);
+      // s[0], s[1]: the sums of elements base, base + 1 of [head][4 rows], base from the lane's
+      // bits 4..0 (which halves it kept) as 32, 16, 8, 4, 2
+      const int base = ((lane >> 4) & 1) * 32 + ((lane >> 3) & 1) * 16 + ((lane >> 2) & 1) * 8 + ((lane >> 1) & 1) * 4 +
+                       (lane & 1) * 2;
+#pragma unroll
+      for (int u = 0; u < 2; ++u) {
+        const int h = (base + u) >> 2, r = warp * 4 + ((base + u) & 3);
+        ps[r * kManyHG + h] = r < tn ? s[u] * d.scale : -INFINITY;
+      }
+    }
+    __syncthreads();
+    // online softmax: warp w, heads w and w + 8; lane = row
+    for (int h = warp; h < kManyHG; h += kManyThreads / 32) {
+      const float sv = ps[lane * kManyHG + h];
+      const float mt = warp_max(sv), mnew = fmaxf(mrun[h], mt);
+      const float e = lane < tn ? expf(sv - mnew) : 0.f;
+      const float sum = warp_sum(e);
+      ps[lane * kManyHG + h] = e;
+      if (lane == 0) {
+        const float al = expf(mrun[h] - mnew);
+        alpha[h] = al, lrun[h] = lrun[h] * al + sum, mrun[h] = mnew;
+      }
+    }
+    __syncthreads();
+    if (c4 < C4) {  // latent sums: acc[j] = acc[j] * alpha + sum_r w[r, hq + j] * kv[r, 4 c4..]
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+        const float al = alpha[hq + j];
+        acc[j][0] *= al, acc[j][1] *= al, acc[j][2] *= al, acc[j][3] *= al;
+      }
+      const float4* ps4 = reinterpret_cast<const float4*>(ps);
+      for (int r = 0; r < tn; ++r) {
+        const float4 v = ks[r * CR4 + c4], wa = ps4[r * (kManyHG / 4) + hq / 4], wb = ps4[r * (kManyHG / 4) + hq / 4 + 1];
+        const float w[8] = {wa.x, wa.y, wa.z, wa.w, wb.x, wb.y, wb.z, wb.w};
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+          acc[j][0] = fmaf(w[j], v.x, acc[j][0]);
+          acc[j][1] = fmaf(w[j], v.y, acc[j][1]);
+          acc[j][2] = fmaf(w[j], v.z, acc[j][2]);
+          acc[j][3] = fmaf(w[j], v.w, acc[j][3]);
+        }
+      }
+    }
+    __syncthreads();  // (this buffer and ps are free for the next tile)
+  }
+  const bool split = gridDim.z > 1;
+  if (c4 < C4) {
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      const int h = hq + j;
+      if (h >= hb) continue;
+      const int64_t ih = i * d.H + h0 + h;
+      const float inv = split ? 1.f : 1.f / lrun[h];
+      const float4 o = make_float4(acc[j][0] * inv, acc[j][1] * inv, acc[j][2] * inv, acc[j][3] * inv);
+      float* dst = split ? a.part + (int64_t(z) * n * d.H + ih) * d.C : a.ol + ih * d.C;
+      reinterpret_cast<float4*>(dst)[c4] = o;
+    }
+  }
+  if (split && tid < hb) {
+    const int64_t ih = i * d.H + h0 + tid;
+    a.ml[(int64_t(z) * n * d.H + ih) * 2] = mrun[tid];
+    a.ml[(int64_t(z) * n * d.H + ih) * 2 + 1] = lrun[tid];
+  }
+}
+
 }  // namespace
+
+bool mla_many_ok(const MlaDims& d) {
+  return d.C % 4 == 0 && d.R % 4 == 0 && d.C <= 512 && many_smem(d) <= size_t(220) << 10;
+}
+
+int mla_many_splits(const MlaDims& d, int64_t n, int64_t len_max) {
+  const int64_t len = len_max > 0 ? len_max : d.max_len, blocks = n * cdiv(d.H, kManyHG);
+  const int64_t s = std::min<int64_t>((2 * int64_t(device_sms()) + blocks / 2) / blocks, (len + 63) / 64);
+  return int(std::max<int64_t>(s, 1));
+}
+
+void mla_decode_many(const Launch& L, const MlaDims& d, const DevPos* pos, int64_t n, const DecodeAttn& a) {
+  DSV3_CHECK(mla_many_ok(d), "many-token decode attention: kv_lora_rank ", d.C, " and rope dim ", d.R,
+             " must be multiples of 4, kv_lora_rank at most 512");
+  DSV3_CHECK(a.nsplit >= 1 && (a.nsplit == 1 || (a.part && a.ml)), "many-token decode attention: split buffers");
+  DSV3_CHECK(a.len_max <= d.max_len, "many-token decode attention: len_max ", a.len_max, " past ", d.max_len);
+  const size_t smem = many_smem(d);
+  static size_t set = 0;
+  if (smem > set) {
+    DSV3_CUDA_CHECK(cudaFuncSetAttribute(many_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
+    set = smem;
+  }
+  // Each split's positions: whole tiles covering len_max (or max_len) over nsplit.
+  const int64_t len = a.len_max > 0 ? a.len_max : d.max_len;
+  const int64_t chunk = ((len + a.nsplit - 1) / a.nsplit + kManyTP - 1) / kManyTP * kManyTP;
+  launch(L, many_kernel, dim3(unsigned(n), cdiv(d.H, kManyHG), unsigned(a.nsplit)), dim3(kManyThreads), smem, d, pos,
+         n, a, chunk);
+  if (a.nsplit > 1)
+    launch(L, values_reduce_kernel, dim3(unsigned(n * d.H)), dim3(128), 0, d, pos, n, chunk, a.part, a.ml, a.ol);
+}
 
 void mla_prep(const Launch& L, const MlaDims& d, bool naive, const DevPos* pos, int64_t n, float* q, const float* kv,
               const float* kv_norm_w, const float* rope, float* cache_kv, float* cache_pe, float* latent,
@@ -499,14 +708,16 @@ void mla_prep_qabs(const Launch& L, const MlaDims& d, const DevPos* pos, int64_t
   DSV3_CHECK(d.R % 2 == 0 && d.nope <= 8 * 16, "MLA shape beyond the fused prep/absorption kernel");
   const PrepArgs P{d, false, pos, q, kv, kv_norm_w, rope, cache_kv, cache_pe, nullptr, nullptr};
   const unsigned nq = unsigned(d.H) * cdiv(d.C, 64);
-  const dim3 grid(nq + unsigned(n));
+  // Many tokens (serving batches): the absorption's blocks split them in groups of 32.
+  const int64_t per = n > 32 ? 32 : std::max<int64_t>(n, 1);
+  const dim3 grid(nq * cdiv(n, per) + unsigned(n));
   // The 16-byte form: whole 64-column blocks, 16-byte aligned rows (and 128-row FP8 scale blocks
   // that a 64-column block never straddles: col0 % 64 == 0).
   const bool vec = qabs_vec && d.C % 64 == 0 && w.col0 % 64 == 0 && vec_ok(w);
   const int tb = !vec ? kTB : (n == 1 ? 1 : 4);
   const size_t smem = sizeof(float) * tb * (size_t(d.nope) + 8 * 64);
   auto go = [&](auto k1, auto k4, auto k0) {
-    launch(L, !vec ? k0 : (n == 1 ? k1 : k4), grid, dim3(256), smem, P, w, n, qa);
+    launch(L, !vec ? k0 : (n == 1 ? k1 : k4), grid, dim3(256), smem, P, w, n, qa, per);
   };
   if (w.t == kBF16) go(prep_qabs_kernel<kBF16, 1>, prep_qabs_kernel<kBF16, 4>, prep_qabs_kernel<kBF16, 0>);
   else if (w.t == kFP8) go(prep_qabs_kernel<kFP8, 1>, prep_qabs_kernel<kFP8, 4>, prep_qabs_kernel<kFP8, 0>);
