@@ -376,10 +376,10 @@ TEST(CudaOps, TensorCoreGemvMatchesRef) {
         ref->linear(x.data(), m, h3.lin, want3.data());
         for (size_t e = 0; e < wantf.size(); ++e) wantf[e] = want1[e] / (1.f + std::exp(-want1[e])) * want3[e];
         Dev xd(*cuda, x), y1(*cuda, want1.size()), y3(*cuda, want1.size());
-        ASSERT_TRUE(cuda::tcv_gemv(L, w1, nullptr, xd.p, c.in, nullptr, m, y1.p, c.out, 1, {})) << what;
+        ASSERT_TRUE(cuda::tcv_gemv(L, w1, nullptr, {xd.p, c.in, nullptr, m, y1.p, c.out, 1, {}})) << what;
         sync();
         EXPECT_LE(rel_l2(y1.get().data(), want1.data(), want1.size()), tol) << what << " plain";
-        ASSERT_TRUE(cuda::tcv_gemv(L, w1, &w3, xd.p, c.in, nullptr, m, y3.p, c.out, 1, {})) << what;
+        ASSERT_TRUE(cuda::tcv_gemv(L, w1, &w3, {xd.p, c.in, nullptr, m, y3.p, c.out, 1, {}})) << what;
         sync();
         EXPECT_LE(rel_l2(y3.get().data(), wantf.data(), wantf.size()), tol) << what << " fused";
         // Two weights in one launch: the second is a 40-row weight on the same activations.
@@ -408,7 +408,7 @@ TEST(CudaOps, TensorCoreGemvMatchesRef) {
       ASSERT_EQ(cudaMalloc(&idx, sizeof(idx_h)), cudaSuccess);
       ASSERT_EQ(cudaMemcpy(idx, idx_h, sizeof(idx_h), cudaMemcpyHostToDevice), cudaSuccess);
       Dev xd(*cuda, xb), yd(*cuda, want.size());
-      ASSERT_TRUE(cuda::tcv_gemv(L, dev_linear_of(d, out, in), nullptr, xd.p, ldx, idx, m, yd.p, out, 1, {}));
+      ASSERT_TRUE(cuda::tcv_gemv(L, dev_linear_of(d, out, in), nullptr, {xd.p, ldx, idx, m, yd.p, out, 1, {}}));
       sync();
       EXPECT_LE(rel_l2(yd.get().data(), want.data(), want.size()), tol) << dtype_name(t) << " gathered";
       cudaFree(idx);
@@ -439,7 +439,7 @@ TEST(CudaOps, TensorCoreGemvMatchesRef) {
       cuda::GemvShift sh;
       sh.xs = C, sh.ys = V, sh.wrows = 256;
       Dev xd(*cuda, x), yd(*cuda, want.size());
-      ASSERT_TRUE(cuda::tcv_gemv(L, w, nullptr, xd.p, H * C, nullptr, m, yd.p, H * V, int(H), sh));
+      ASSERT_TRUE(cuda::tcv_gemv(L, w, nullptr, {xd.p, H * C, nullptr, m, yd.p, H * V, int(H), sh}));
       sync();
       EXPECT_LE(rel_l2(yd.get().data(), want.data(), want.size()), tol) << dtype_name(t) << " heads";
     }
@@ -450,24 +450,24 @@ TEST(CudaOps, TensorCoreGemvMatchesRef) {
                h8 = make_linear(DType::F8_E4M3, 64, 192, 3);
     const Linear db = to_device(*cuda, hb.lin), df = to_device(*cuda, hf.lin), d8 = to_device(*cuda, h8.lin);
     Dev xd(*cuda, randn(size_t(9 * 256), 4)), yd(*cuda, size_t(9 * 64));
-    EXPECT_FALSE(cuda::tcv_gemv(L, dev_linear_of(db, 64, 96), nullptr, xd.p, 96, nullptr, 1, yd.p, 64, 1, {}));
-    EXPECT_FALSE(cuda::tcv_gemv(L, dev_linear_of(df, 64, 128), nullptr, xd.p, 128, nullptr, 1, yd.p, 64, 1, {}));
-    EXPECT_FALSE(cuda::tcv_gemv(L, dev_linear_of(d8, 64, 192), nullptr, xd.p, 192, nullptr, 1, yd.p, 64, 1, {}));
+    EXPECT_FALSE(cuda::tcv_gemv(L, dev_linear_of(db, 64, 96), nullptr, {xd.p, 96, nullptr, 1, yd.p, 64, 1, {}}));
+    EXPECT_FALSE(cuda::tcv_gemv(L, dev_linear_of(df, 64, 128), nullptr, {xd.p, 128, nullptr, 1, yd.p, 64, 1, {}}));
+    EXPECT_FALSE(cuda::tcv_gemv(L, dev_linear_of(d8, 64, 192), nullptr, {xd.p, 192, nullptr, 1, yd.p, 64, 1, {}}));
     HostLinear hk = make_linear(DType::BF16, 64, 128, 5);
     const Linear dk = to_device(*cuda, hk.lin);
-    EXPECT_FALSE(cuda::tcv_gemv(L, dev_linear_of(dk, 64, 128), nullptr, xd.p, 128, nullptr, 9, yd.p, 64, 1, {}));
+    EXPECT_FALSE(cuda::tcv_gemv(L, dev_linear_of(dk, 64, 128), nullptr, {xd.p, 128, nullptr, 9, yd.p, 64, 1, {}}));
     DevLinear off = dev_linear_of(dk, 60, 128);
     off.row0 = 4;  // bf16: any row start
-    EXPECT_TRUE(cuda::tcv_gemv(L, off, nullptr, xd.p, 128, nullptr, 1, yd.p, 64, 1, {}));
+    EXPECT_TRUE(cuda::tcv_gemv(L, off, nullptr, {xd.p, 128, nullptr, 1, yd.p, 64, 1, {}}));
     HostLinear h8b = make_linear(DType::F8_E4M3, 64, 256, 6);
     const Linear d8b = to_device(*cuda, h8b.lin);
     DevLinear off8 = dev_linear_of(d8b, 60, 256);
     off8.row0 = 4;  // e4m3: 16-row tiles must stay inside a 128-row scale block
-    EXPECT_FALSE(cuda::tcv_gemv(L, off8, nullptr, xd.p, 256, nullptr, 1, yd.p, 64, 1, {}));
+    EXPECT_FALSE(cuda::tcv_gemv(L, off8, nullptr, {xd.p, 256, nullptr, 1, yd.p, 64, 1, {}}));
     cuda::Launch off_l;  // tcv_max 0: off
-    EXPECT_FALSE(cuda::tcv_gemv(off_l, dev_linear_of(dk, 64, 128), nullptr, xd.p, 128, nullptr, 1, yd.p, 64, 1, {}));
+    EXPECT_FALSE(cuda::tcv_gemv(off_l, dev_linear_of(dk, 64, 128), nullptr, {xd.p, 128, nullptr, 1, yd.p, 64, 1, {}}));
     off_l.tcv_max = 8;  // bf16 only when asked (tcv_bf16_min)
-    EXPECT_FALSE(cuda::tcv_gemv(off_l, dev_linear_of(dk, 64, 128), nullptr, xd.p, 128, nullptr, 1, yd.p, 64, 1, {}));
+    EXPECT_FALSE(cuda::tcv_gemv(off_l, dev_linear_of(dk, 64, 128), nullptr, {xd.p, 128, nullptr, 1, yd.p, 64, 1, {}}));
     sync();
   }
 }
@@ -1197,13 +1197,13 @@ TEST(CudaOps, ValueAbsorptionCombinesSplits) {
       da.qa = dqa.p, da.q = dq.p, da.cache_kv = dkv.p, da.cache_pe = dpe.p, da.nsplit = ns, da.part = part.p;
       da.ml = ml.p, da.counters = reinterpret_cast<unsigned*>(cnt.p), da.ol = ol.p, da.hb = 1;
       cuda::mla_decode_attn(L, d, pp, 1, da);
-      cuda::gemv(L, wv, nullptr, ol.p, H * C, nullptr, 1, want.p, H * V, int(H), sh);
+      cuda::gemv(L, wv, nullptr, {ol.p, H * C, nullptr, 1, want.p, H * V, int(H), sh});
       ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
       const std::vector<float> olh = ol.get(), wanth = want.get();
       Dev ol2(*cuda, std::vector<float>(size_t(H * C), p == 0 ? 0.f : std::nanf("")));  // one split: ol is written
       da.ol = ol2.p, da.combine = false;
       cuda::mla_decode_attn(L, d, pp, 1, da);
-      cuda::gemv_splits(L, wv, int(H), sh, pp, ns, part.p, ml.p, ol2.p, got.p);
+      cuda::gemv_splits(L, wv, int(H), sh, pp, da, got.p);
       ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
       const std::vector<float> goth = got.get();
       const std::string what = str(dtype_name(t), " position ", p, ", ", ns, " splits");
@@ -1260,8 +1260,9 @@ TEST(CudaOps, DecodeQAbsorptionMatchesFloat64) {
         Dev qa(*cuda, std::vector<float>(want.size(), std::nanf("")));
         Dev dpos(*cuda, pos_words(tp.data(), tp.size()));
         cuda::Launch L;
-        cuda::mla_prep_qabs(L, d, reinterpret_cast<const cuda::DevPos*>(dpos.p), n, dq.p, dkv.p, dnw.p, drope.p, ckv.p,
-                            cpe.p, w, qa.p, vec);
+        const cuda::MlaPrep prep{reinterpret_cast<const cuda::DevPos*>(dpos.p), n, dq.p, dkv.p, dnw.p, drope.p,
+                                 ckv.p, cpe.p};
+        cuda::mla_prep_qabs(L, d, prep, w, qa.p, vec);
         ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
         const std::vector<float> got = qa.get();
         const std::string what = std::string(dtype_name(t)) + " n=" + std::to_string(n) + (vec ? " 16-byte" : " scalar");
@@ -1606,7 +1607,7 @@ TEST(CudaOps, FlashPrefillMatchesFloat64) {
       Dev dout(*cuda, std::vector<float>(want.size(), std::nanf("")));
       Dev ws(*cuda, cuda::flash_prefill_ws(d, m, sh.pos0) / 4 + 1);
       cuda::Launch L;
-      cuda::flash_prefill(L, d, dq.p, m, sh.pos0, dk.p, dp.p, dout.p, split, ws.p);
+      cuda::flash_prefill(L, d, {dq.p, m, sh.pos0, dk.p, dp.p, dout.p, split, ws.p});
       ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
       const std::vector<float> got = dout.get();
       for (size_t e = 0; e < got.size(); ++e) ASSERT_TRUE(std::isfinite(got[e])) << "unwritten or NaN at " << e;

@@ -458,7 +458,7 @@ void CudaBackend::run_fused(const StepGraph& g, const Step& s, const Node& nd) {
     }
     case Fusion::kCombineAddRmsNorm: {
       const cuda::CombineNorm cn = combine_view(g, o[-1], o[0], o[1]);
-      cuda::moe_combine_add_rmsnorm(L_, cn.s, cn.o, cn.d, cn.y, cn.h, cn.w, cn.eps, cn.x);
+      cuda::moe_combine_add_rmsnorm(L_, cn);
       return;
     }
     case Fusion::kCombineAddRmsNormPair: {

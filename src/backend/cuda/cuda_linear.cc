@@ -24,9 +24,9 @@ void CudaBackend::run_linear(const DevLinear& w, const float* x, int64_t n, floa
   if (use_tc(n) && tc_takes(w)) {
     tc_linear(split_input(x, n, w.cols, fast), w, n, y, ldy);
   } else if (n <= opt_.tune.gemv_max || w.t == cuda::kF32 || !cuda::gemm_ok(w)) {
-    cuda::gemv(L_, w, nullptr, x, w.cols, nullptr, n, y, ldy);
+    cuda::gemv(L_, w, nullptr, {.x = x, .ldx = w.cols, .m = n, .y = y, .ldy = ldy});
   } else {
-    cuda::gemm(L_, w, nullptr, 0, x, w.cols, nullptr, false, 0, n, y, ldy, fast);
+    cuda::gemm(L_, w, nullptr, {.x = x, .ldx = w.cols, .m = n, .y = y, .ldy = ldy}, {.fast = fast});
   }
 }
 
@@ -128,13 +128,14 @@ void CudaBackend::mlp(const MLPWeights& w, const float* x, int64_t n, float* y) 
   }
   if (n <= opt_.tune.gemv_max || !cuda::gemm_ok(w1) || !cuda::gemm_ok(w2)) {
     float* h = f32(kH, size_t(n * inter));
-    cuda::gemv(L_, w1, &w3, x, w1.cols, nullptr, n, h, inter);
-    cuda::gemv(L_, w2, nullptr, h, inter, nullptr, n, y, D);
+    cuda::gemv(L_, w1, &w3, {.x = x, .ldx = w1.cols, .m = n, .y = h, .ldy = inter});
+    cuda::gemv(L_, w2, nullptr, {.x = h, .ldx = inter, .m = n, .y = y, .ldy = D});
     return;
   }
   float* h = f32(kH, size_t(n * 2 * inter));  // [n, w1 x | w3 x]
-  cuda::gemm(L_, w1, &w3, inter, x, w1.cols, nullptr, false, 0, n, h, 2 * inter, fast_at(n));
-  cuda::gemm(L_, w2, nullptr, 0, h, 2 * inter, nullptr, true, inter, n, y, D, fast_at(n));
+  cuda::gemm(L_, w1, &w3, {.x = x, .ldx = w1.cols, .m = n, .y = h, .ldy = 2 * inter}, {.col1 = inter, .fast = fast_at(n)});
+  cuda::gemm(L_, w2, nullptr, {.x = h, .ldx = 2 * inter, .m = n, .y = y, .ldy = D},
+             {.silu_pair = true, .pair_off = inter, .fast = fast_at(n)});
 }
 
 }  // namespace dsv3::cuda_impl

@@ -58,10 +58,12 @@ void CudaBackend::mla(const MlaCall& c) {
   DSV3_CHECK(w.kv_norm.dtype == DType::F32, "kv_norm not on the device");
   const DevLinear wkv_b = dev_linear(w.wkv_b);
   const int64_t H = d.H, C = d.C, V = d.V, nope = d.nope;
+  cuda::MlaPrep prep{pos, n, q, kv, w.kv_norm.as<float>(), cs};
   mark("mla.prep");
   if (c.impl == AttnImpl::kNaive) {
     float* lat = f32(kLat, size_t(n * C));
-    cuda::mla_prep(L_, d, true, pos, n, q, kv, w.kv_norm.as<float>(), cs, nullptr, nullptr, lat, cache.k);
+    prep.latent = lat, prep.cache_k = cache.k;
+    cuda::mla_prep(L_, d, true, prep);
     float* kvb = f32(kKvb, size_t(n * H * (nope + V)));
     run_linear(wkv_b, lat, n, kvb, H * (nope + V), /*exact=*/true);
     cuda::mla_naive_store(L_, d, pos, n, kvb, cache.k, cache.v);
@@ -72,8 +74,9 @@ void CudaBackend::mla(const MlaCall& c) {
   }
   std::vector<std::pair<int64_t, int64_t>> runs;
   if (use_tc(n)) runs = token_runs(tp, n);
+  prep.cache_kv = cache.kv, prep.cache_pe = cache.pe;
   if (!runs.empty()) {
-    cuda::mla_prep(L_, d, false, pos, n, q, kv, w.kv_norm.as<float>(), cs, cache.kv, cache.pe, nullptr, nullptr);
+    cuda::mla_prep(L_, d, false, prep);
     mla_runs(d, runs, c, wkv_b);
     return;
   }
@@ -96,33 +99,32 @@ void CudaBackend::mla(const MlaCall& c) {
   const bool splits_to_vabs = one && n == 1 && ns > 1 && !(use_tc(n) && tc_takes(wv)) && cuda::gemv_splits_ok(L_, wv);
   float* qa = f32(kLat, size_t(n * H * C));
   if (nope <= 128) {
-    cuda::mla_prep_qabs(L_, d, pos, n, q, kv, w.kv_norm.as<float>(), cs, cache.kv, cache.pe, wkv_b, qa);
+    cuda::mla_prep_qabs(L_, d, prep, wkv_b, qa);
   } else {
-    cuda::mla_prep(L_, d, false, pos, n, q, kv, w.kv_norm.as<float>(), cs, cache.kv, cache.pe, nullptr, nullptr);
+    cuda::mla_prep(L_, d, false, prep);
     mark("mla.qabs");
     cuda::mla_qabs(L_, d, wkv_b, q, n, qa);
   }
+  da.qa = qa, da.q = q, da.cache_kv = cache.kv, da.cache_pe = cache.pe, da.nsplit = ns, da.part = part, da.ml = ml;
+  da.ol = ol;
   if (one) {
     mark("mla.attn1");
-    da.qa = qa, da.q = q, da.cache_kv = cache.kv, da.cache_pe = cache.pe, da.nsplit = ns, da.part = part, da.ml = ml;
-    da.counters = attn_counters_, da.ol = ol, da.combine = !splits_to_vabs;
+    da.counters = attn_counters_, da.combine = !splits_to_vabs;
     cuda::mla_decode_attn(L_, d, pos, n, da);
   } else if (many) {
     mark("mla.attn");
-    da.qa = qa, da.q = q, da.cache_kv = cache.kv, da.cache_pe = cache.pe, da.nsplit = ns, da.part = part, da.ml = ml;
-    da.ol = ol;
     cuda::mla_decode_many(L_, d, pos, n, da);
   } else {
     float* S = f32(kS, size_t(n * H * d.max_len));
     mark("mla.scores");
-    cuda::mla_scores(L_, d, pos, n, qa, q, cache.kv, cache.pe, S);
+    cuda::mla_scores(L_, d, pos, n, da, S);
     mark("mla.values");
-    cuda::mla_values(L_, d, pos, n, S, cache.kv, ns, part, ml, ol);
+    cuda::mla_values(L_, d, pos, n, S, da);
   }
   // out[i, h*V + v] = ol[i, h, :] · wkv_b[h*(nope+V) + nope + v, :], a GEMV per head.
   mark("mla.out");
   if (splits_to_vabs) {
-    cuda::gemv_splits(L_, wv, int(H), sh, pos, ns, part, ml, ol, out);
+    cuda::gemv_splits(L_, wv, int(H), sh, pos, da, out);
     return;
   }
   if (use_tc(n) && tc_takes(wv)) {
@@ -137,8 +139,9 @@ void CudaBackend::mla(const MlaCall& c) {
   }
   const bool tc = n > opt_.tune.gemv_max && wv.t != cuda::kF32 && cuda::gemm_ok(wv) &&
                   (wv.t != cuda::kFP8 || (nope + V) % 128 == 0);
-  if (tc) cuda::gemm(L_, wv, nullptr, 0, ol, H * C, nullptr, false, 0, n, out, H * V, false, int(H), sh);
-  else cuda::gemv(L_, wv, nullptr, ol, H * C, nullptr, n, out, H * V, int(H), sh);
+  const cuda::ProductRows io{.x = ol, .ldx = H * C, .m = n, .y = out, .ldy = H * V, .batch = int(H), .shift = sh};
+  if (tc) cuda::gemm(L_, wv, nullptr, io);
+  else cuda::gemv(L_, wv, nullptr, io);
 }
 
 // MLA for long runs of a sequence (prefill) over the latent cache: the run's rows [0, end)
@@ -172,7 +175,7 @@ void CudaBackend::mla_runs(const cuda::MlaDims& d, const std::vector<std::pair<i
     if (flash) {
       const int64_t m = r1 - r0, pos0 = tp[r0].pos;
       void* ws = scratch(kS, cuda::flash_prefill_ws(d, m, pos0));
-      cuda::flash_prefill(L_, d, c.q + r0 * H * qk, m, pos0, kvb, pes, c.out + r0 * H * V, !fast_at(tp_n), ws);
+      cuda::flash_prefill(L_, d, {c.q + r0 * H * qk, m, pos0, kvb, pes, c.out + r0 * H * V, !fast_at(tp_n), ws});
       continue;
     }
     for (int64_t c0 = r0; c0 < r1; c0 += kChunk) {

@@ -61,7 +61,7 @@ void CudaBackend::moe_op(const ModelArgs& a, const MoEWeights& w, const float* x
     // One token on the expert GEMVs: their blocks route it from the logits (no last-block router).
     // (Not with another rank's experts: the router's schedule leaves those out of the active list.)
     const bool rie = opt_.tune.route_in_experts && gemvs && n == 1 && E <= 256 && !T.partial;
-    cuda::gate_route(L_, gate, x, n, logits, r, bias, s, counter_, !rie, norm);
+    cuda::gate_route(L_, gate, r, s, {x, n, logits, bias, counter_, !rie, norm});
     if (rie) s.route_logits = logits, s.route_bias = bias, s.route = r;
   } else if (tc && tc_takes(gate) && gate.cols == D) {
     // x split once (hi + lo) for the gate (exact) and the experts' first stage (hi only when fast).
@@ -95,14 +95,14 @@ void CudaBackend::moe_op(const ModelArgs& a, const MoEWeights& w, const float* x
   } else if (gemvs) {
     // GEMVs: on tensor cores where they take the experts (tcv_moe), else the FMA kernels.
     float* h = f32(kMoeH, size_t(P * T.rows13));
-    if (!(T.tcv && cuda::tcv_moe(L_, 0, T.dev, T.rows13, T.wtype, s, x, D, h, T.rows13)))
-      cuda::moe_gemv(L_, 0, T.dev, T.rows13, T.wtype, s, x, D, h, T.rows13);
-    if (!(T.tcv && cuda::tcv_moe(L_, 1, T.dev, T.rows2, T.wtype, s, h, T.rows13, o, D)))
-      cuda::moe_gemv(L_, 1, T.dev, T.rows2, T.wtype, s, h, T.rows13, o, D);
+    const cuda::MoeStage s0{0, T.dev, T.rows13, T.wtype, x, D, h, T.rows13};
+    const cuda::MoeStage s1{1, T.dev, T.rows2, T.wtype, h, T.rows13, o, D};
+    if (!(T.tcv && cuda::tcv_moe(L_, s0, s))) cuda::moe_gemv(L_, s0, s);
+    if (!(T.tcv && cuda::tcv_moe(L_, s1, s))) cuda::moe_gemv(L_, s1, s);
   } else {
     float* h = f32(kMoeH, size_t(P * 2 * T.rows13));
-    cuda::moe_gemm(L_, 0, T.dev, T.rows13, T.wtype, s, x, D, T.rows13, h, 2 * T.rows13, fast_at(n));
-    cuda::moe_gemm(L_, 1, T.dev, T.rows2, T.wtype, s, h, 2 * T.rows13, T.rows13, o, D, fast_at(n));
+    cuda::moe_gemm(L_, {0, T.dev, T.rows13, T.wtype, x, D, h, 2 * T.rows13}, s, T.rows13, fast_at(n));
+    cuda::moe_gemm(L_, {1, T.dev, T.rows2, T.wtype, h, 2 * T.rows13, o, D}, s, T.rows13, fast_at(n));
   }
   if (defer) return;  // the next node combines (combine_view)
   mark("moe.combine");

@@ -105,29 +105,41 @@ void act_quant(const Launch& L, const float* x, int64_t rows, int64_t cols, bool
 void fill_random(const Launch& L, void* p, int32_t t, int64_t n, float a, uint64_t seed, bool const_value);
 
 // ---- matrix-vector products for few tokens (kernels_gemv.cu)
-// For token j < m: xj = x + (idx ? idx[j] : j) * ldx. Plain: y[j * ldy + r] = xj · W[r].
-// Fused (w3 given, same shape): y[j * ldy + r] = silu(xj · W[r]) * (xj · W3[r]).
-// `batch` > 1 runs independent copies (blockIdx.y = b) with x, y shifted by b * xs, b * ys
-// elements and the weight rows by b * wrows (attention heads).
 // Whether a weight rectangle can be read in aligned 16-byte chunks.
 bool vec_ok(const DevLinear& w);
 struct GemvShift {
   int64_t xs = 0, ys = 0, wrows = 0;
 };
-void gemv(const Launch& L, const DevLinear& w, const DevLinear* w3, const float* x, int64_t ldx, const int32_t* idx,
-          int64_t m, float* y, int64_t ldy, int batch = 1, GemvShift shift = {});
+// The activations and outputs of a product: token j < m reads xj = x + (idx ? idx[j] : j) * ldx and
+// writes the row y + j * ldy. `batch` > 1 runs independent copies (blockIdx.y or .z = b) with x, y
+// shifted by b * shift.xs, b * shift.ys elements and the weight rows by b * shift.wrows (attention
+// heads).
+struct ProductRows {
+  const float* x = nullptr;
+  int64_t ldx = 0;
+  const int32_t* idx = nullptr;
+  int64_t m = 0;
+  float* y = nullptr;
+  int64_t ldy = 0;
+  int batch = 1;
+  GemvShift shift = {};
+};
+// Plain: y[j * ldy + r] = xj · W[r]. Fused (w3 given, same shape): y[j * ldy + r] =
+// silu(xj · W[r]) * (xj · W3[r]).
+void gemv(const Launch& L, const DevLinear& w, const DevLinear* w3, const ProductRows& io);
 
 // Two products of the same m <= 8 activation rows x [m, K] in one launch (the streaming path):
 // y[j * w.rows + r] = x_j · w[r], y2[j * w2.rows + r] = x_j · w2[r]. gemv2_ok: same dtype and K,
 // 16-byte rows and x.
 bool gemv2_ok(const DevLinear& w, const DevLinear& w2, const float* x, int64_t m);
 // One token's value absorption after mla_decode_attn with combine = false: head b's input is the
-// token's position splits of part [nsplit][heads][C] combined as ml [nsplit][heads][2] weighs them
-// (ol [heads][C] where its length took one split), then y[b * shift.ys + r] = that ·
+// token's a.nsplit position splits of a.part [nsplit][heads][C] combined as a.ml [nsplit][heads][2]
+// weighs them (a.ol [heads][C] where its length took one split), then y[b * shift.ys + r] = that ·
 // w[b * shift.wrows + r] (C = w.cols). gemv_splits_ok: the FMA streaming GEMV would take w (C <= 512).
+struct DecodeAttn;
 bool gemv_splits_ok(const Launch& L, const DevLinear& w);
-void gemv_splits(const Launch& L, const DevLinear& w, int heads, GemvShift shift, const DevPos* pos, int nsplit,
-                 const float* part, const float* ml, const float* ol, float* y);
+void gemv_splits(const Launch& L, const DevLinear& w, int heads, GemvShift shift, const DevPos* pos,
+                 const DecodeAttn& a, float* y);
 void gemv2(const Launch& L, const DevLinear& w, float* y, const DevLinear& w2, float* y2, const float* x, int64_t m);
 
 // ---- the same products of m <= 8 tokens on tensor cores (kernels_tcgemv.cu); gemv, gemv2 and
@@ -136,22 +148,23 @@ void gemv2(const Launch& L, const DevLinear& w, float* y, const DevLinear& w2, f
 // a multiple of 64 / 128 (e4m3:
 // columns and row tiles on scale blocks), unaligned activations, or too little shared memory.
 bool tcv_ok(const DevLinear& w);
-bool tcv_gemv(const Launch& L, const DevLinear& w, const DevLinear* w3, const float* x, int64_t ldx,
-              const int32_t* idx, int64_t m, float* y, int64_t ldy, int batch, GemvShift shift);
+bool tcv_gemv(const Launch& L, const DevLinear& w, const DevLinear* w3, const ProductRows& io);
 bool tcv_gemv2(const Launch& L, const DevLinear& w, float* y, const DevLinear& w2, float* y2, const float* x,
                int64_t m);
 
 // ---- tensor-core GEMM for many tokens (kernels_gemm.cu)
-// C[i, col + r] = A_i · W[r] for i < M, r < W.rows over K = W.cols, where A_i is
-// a + (idx ? idx[i] : i) * lda, or with silu_pair silu(A_i[k]) * A_i[pair_off + k].
-// bf16 tensor cores with float32 accumulation; A is split into bf16 hi + lo parts unless
-// fast (one bf16 pass). Needs gemm_ok(W). Up to two weights (job 1 writes at col1).
-// `batch` > 1 runs independent copies (blockIdx.z = b): a, c shifted by b * xs, b * ys
-// elements and the weight rows by b * wrows (attention heads); gemm_ok must hold for each.
+// y[i * ldy + col + r] = A_i · W[r] for i < m, r < W.rows over K = W.cols, where A_i is the input
+// row xi (ProductRows), or with silu_pair silu(xi[k]) * xi[pair_off + k]. bf16 tensor cores with
+// float32 accumulation; A is split into bf16 hi + lo parts unless fast (one bf16 pass). Needs
+// gemm_ok(W), for each batched copy too. Up to two weights (w1 writes at col1).
+struct GemmForm {
+  int64_t col1 = 0;
+  bool silu_pair = false;
+  int64_t pair_off = 0;
+  bool fast = false;
+};
 bool gemm_ok(const DevLinear& w);
-void gemm(const Launch& L, const DevLinear& w0, const DevLinear* w1, int64_t col1, const float* a, int64_t lda,
-          const int32_t* idx, bool silu_pair, int64_t pair_off, int64_t M, float* c, int64_t ldc, bool fast,
-          int batch = 1, GemvShift shift = {});
+void gemm(const Launch& L, const DevLinear& w0, const DevLinear* w1, const ProductRows& io, const GemmForm& f = {});
 
 // ---- pipelined tensor-core GEMM on bf16 operands (kernels_tc.cu)
 // Whether a bf16 weight (rectangle) suits tc_gemm: cols a multiple of 32, 16-byte aligned rows.
@@ -265,25 +278,30 @@ struct MoeSched {
 // logits [n, E]; bias [E] or null. Fills `s`; topk_idx/topk_w [n, K] when given (tests).
 void moe_route(const Launch& L, const RouteArgs& r, const float* logits, const float* bias, const MoeSched& s,
                int32_t* topk_idx, float* topk_w);
-// stage 0: h[p, r] = silu(x_tok · w1[r]) * (x_tok · w3[r]) (ldh); stage 1: o[p, :] = w2 · h[p].
-// `table` [NE] on the device; max_rows = largest w1.rows (stage 0) or w2.rows (stage 1).
-void moe_gemv(const Launch& L, int stage, const DevExpert* table, int64_t max_rows, int32_t wtype, const MoeSched& s,
-              const float* in, int64_t ldin, float* out, int64_t ldout);
+// One stage of the experts over the router's pairs: stage 0: out[p, r] = silu(x_tok · w1[r]) *
+// (x_tok · w3[r]); stage 1: out[p, :] = w2 · in[p]. x_tok is row perm[p] of `in` (stage 0), row p
+// (stage 1), ldin apart.
+struct MoeStage {
+  int stage = 0;
+  const DevExpert* table = nullptr;  // [NE] on the device
+  int64_t max_rows = 0;              // the largest w1.rows (stage 0) or w2.rows (stage 1)
+  int32_t wtype = kBF16;
+  const float* in = nullptr;
+  int64_t ldin = 0;
+  float* out = nullptr;
+  int64_t ldout = 0;
+};
+void moe_gemv(const Launch& L, const MoeStage& st, const MoeSched& s);
 // moe_gemv on tensor cores (kernels_tcgemv.cu; the largest K is ldin); false where it does not
 // apply (as tcv_gemv). Every expert of `table` must satisfy tcv_ok.
-bool tcv_moe(const Launch& L, int stage, const DevExpert* table, int64_t max_rows, int32_t wtype, const MoeSched& s,
-             const float* in, int64_t ldin, float* out, int64_t ldout);
+bool tcv_moe(const Launch& L, const MoeStage& st, const MoeSched& s);
 // The tensor-core form: stage 0 writes w1 · x at column 0 and w3 · x at column `half` of
 // h [P, 2 * half]; stage 1 reads silu(h[p, k]) * h[p, half + k].
-void moe_gemm(const Launch& L, int stage, const DevExpert* table, int64_t max_rows, int32_t wtype, const MoeSched& s,
-              const float* in, int64_t ldin, int64_t half, float* out, int64_t ldout, bool fast);
+void moe_gemm(const Launch& L, const MoeStage& st, const MoeSched& s, int64_t half, bool fast);
 // y[i, :d] = sum_k pw[i,k] * o[pair_of[i,k], :d] (routed, by expert index) + shared slices.
 void moe_combine(const Launch& L, const MoeSched& s, const float* o, int64_t d, float* y);
-// moe_combine, then h += y and x = rmsnorm(h) * w.
-void moe_combine_add_rmsnorm(const Launch& L, const MoeSched& s, const float* o, int64_t d, float* y, float* h,
-                             const float* w, float eps, float* x);
-// A MoE layer's pending output for one token, to be made into the next layer's input: y = the
-// combine of o (moe_combine), h += y, x = rmsnorm(h) * w (d values).
+// A MoE layer's pending output, to be made into the next layer's input: y = the combine of o
+// (moe_combine), h += y, x = rmsnorm(h) * w (d values).
 struct CombineNorm {
   MoeSched s;
   const float* o = nullptr;
@@ -294,6 +312,8 @@ struct CombineNorm {
   float eps = 0.f;
   float* x = nullptr;
 };
+// moe_combine, then h += y and x = rmsnorm(h) * w, for cn.s.n tokens.
+void moe_combine_add_rmsnorm(const Launch& L, const CombineNorm& cn);
 // gemv2 of one token on the FMA streaming GEMV whose input cn.x is made first by each block
 // from cn (every block for its own use, block 0 writing y, h and x): no combine launch.
 // gemv2_combine_ok: gemv2_ok, the FMA GEMV takes both weights (not the tensor-core one: measured
@@ -315,9 +335,16 @@ bool gate_norm_ok(int64_t d);
 // The gate GEMV (logits [n, E], n <= 8) and moe_route in one launch; `counter` is a zeroed
 // device word that the kernel leaves zeroed. route = false: the logits only (one token, routed by
 // the expert GEMVs: MoeSched::route_logits). norm: the add + norm first (x is then norm->x).
-void gate_route(const Launch& L, const DevLinear& gate, const float* x, int64_t n, float* logits, const RouteArgs& r,
-                const float* bias, const MoeSched& s, unsigned* counter, bool route = true,
-                const GateNorm* norm = nullptr);
+struct GateRoute {
+  const float* x = nullptr;  // [n, gate.cols]
+  int64_t n = 0;
+  float* logits = nullptr;
+  const float* bias = nullptr;  // [E] or null
+  unsigned* counter = nullptr;
+  bool route = true;
+  const GateNorm* norm = nullptr;
+};
+void gate_route(const Launch& L, const DevLinear& gate, const RouteArgs& r, const MoeSched& s, const GateRoute& g);
 
 // ---- MLA (kernels_mla.cu; the decode attention, mla_decode_*: kernels_mla_decode.cu)
 struct MlaDims {
@@ -347,41 +374,40 @@ void gather_cache_rows(const Launch& L, const MlaDims& d, int32_t slot, int64_t 
 // ws: device scratch of flash_prefill_ws(d, m, pos0) bytes (the operands in bf16).
 bool flash_prefill_ok(const MlaDims& d);
 size_t flash_prefill_ws(const MlaDims& d, int64_t m, int64_t pos0);
-void flash_prefill(const Launch& L, const MlaDims& d, const float* q, int64_t m, int64_t pos0, const float* kvb,
-                   const float* pe, float* out, bool split, void* ws);
+struct FlashRun {
+  const float* q = nullptr;    // [m, H, nope + R]
+  int64_t m = 0, pos0 = 0;
+  const float* kvb = nullptr;  // [pos0 + m, H, nope + V]
+  const float* pe = nullptr;   // [pos0 + m, R]
+  float* out = nullptr;        // [m, H * V]
+  bool split = true;
+  void* ws = nullptr;
+};
+void flash_prefill(const Launch& L, const MlaDims& d, const FlashRun& r);
 
 // RoPE on q's rope parts (in place) and on kv's key; kv_norm of the latent. Absorbed: writes
 // cache_kv/cache_pe rows. Naive: writes latent [n, C] and the rope part of cache_k.
-void mla_prep(const Launch& L, const MlaDims& d, bool naive, const DevPos* pos, int64_t n, float* q,
-              const float* kv, const float* kv_norm_w, const float* rope, float* cache_kv, float* cache_pe,
-              float* latent, float* cache_k);
+struct MlaPrep {
+  const DevPos* pos = nullptr;
+  int64_t n = 0;
+  float* q = nullptr;             // [n, H, nope + R]
+  const float* kv = nullptr;      // [n, C + R] (wkv_a's output)
+  const float* kv_norm_w = nullptr;
+  const float* rope = nullptr;
+  float* cache_kv = nullptr;
+  float* cache_pe = nullptr;
+  float* latent = nullptr;        // naive
+  float* cache_k = nullptr;       // naive
+};
+void mla_prep(const Launch& L, const MlaDims& d, bool naive, const MlaPrep& p);
 // mla_prep (absorbed) and mla_qabs in one launch. vec: the absorption with 16-byte weight loads
 // where the layout allows (decode), else (and as its reference twin) the element-wise form.
-void mla_prep_qabs(const Launch& L, const MlaDims& d, const DevPos* pos, int64_t n, float* q, const float* kv,
-                   const float* kv_norm_w, const float* rope, float* cache_kv, float* cache_pe, const DevLinear& wkv_b,
-                   float* qa, bool vec = true);
+void mla_prep_qabs(const Launch& L, const MlaDims& d, const MlaPrep& p, const DevLinear& wkv_b, float* qa,
+                   bool vec = true);
 // qa[i, h, c] = sum_{d < nope} q[i, h, d] * wkv_b[h * (nope + V) + d, c]
 void mla_qabs(const Launch& L, const MlaDims& d, const DevLinear& wkv_b, const float* q, int64_t n, float* qa);
-// S[i, h, t] = (qa[i,h]·kv[t] + q_pe[i,h]·pe[t]) * scale for t <= pos_i (S rows max_len long).
-void mla_scores(const Launch& L, const MlaDims& d, const DevPos* pos, int64_t n, const float* qa, const float* q,
-                const float* cache_kv, const float* cache_pe, float* S);
-// ol[i, h, :] = softmax(S[i, h, :pos_i + 1]) · kv, over nsplit position ranges when > 1
-// (part: [nsplit, n, H, C], ml: [nsplit, n, H, 2]); mla_splits gives the count for n tokens.
-int mla_splits(const MlaDims& d, int64_t n);
-void mla_values(const Launch& L, const MlaDims& d, const DevPos* pos, int64_t n, const float* S,
-                const float* cache_kv, int nsplit, float* part, float* ml, float* ol);
-// mla_scores + mla_values in one launch for few tokens (decode): each warp folds its cache rows
-// into a running softmax; several position splits are combined by the last block of each (token,
-// head block), counted in `counters` (zeroed device words, at least n * ceil(H / hb), left
-// zeroed). mla_decode_ok: the shapes it takes. mla_decode_splits: its position splits for n
-// tokens (from max_len, not the positions: a recorded step replays with others); each token's
-// positions spread over as many of them as give chunks of at least 16 rows, decided on the
-// device. hb: heads per block (1 or 2); mla_decode_heads: the choice for n tokens (one head per
-// block for a single token: twice the blocks over a short cache); cap: at most this many splits
-// (0: none).
-int mla_decode_heads(int64_t n);
-bool mla_decode_ok(const MlaDims& d, int64_t n, int64_t counters, int hb = 2);
-int mla_decode_splits(const MlaDims& d, int64_t n, int cap = 0, int hb = 2);
+// The absorbed attention's operands and outputs (mla_scores, mla_values, mla_decode_attn,
+// mla_decode_many, gemv_splits: each says which fields it uses).
 struct DecodeAttn {
   const float* qa = nullptr;        // [n, H, C] absorbed queries
   const float* q = nullptr;         // [n, H, qk] (the rope parts)
@@ -396,6 +422,25 @@ struct DecodeAttn {
   bool combine = true;  // false: with several splits only part and ml are written (gemv_splits combines them)
   int64_t len_max = 0;  // mla_decode_many: positions no token of the step passes (its splits' size; 0: max_len)
 };
+// S[i, h, t] = (qa[i,h]·kv[t] + q_pe[i,h]·pe[t]) * scale for t <= pos_i (S rows max_len long),
+// from a.qa, a.q, a.cache_kv, a.cache_pe.
+void mla_scores(const Launch& L, const MlaDims& d, const DevPos* pos, int64_t n, const DecodeAttn& a, float* S);
+// a.ol[i, h, :] = softmax(S[i, h, :pos_i + 1]) · kv, over a.nsplit position ranges when > 1
+// (a.part: [nsplit, n, H, C], a.ml: [nsplit, n, H, 2]); mla_splits gives the count for n tokens.
+int mla_splits(const MlaDims& d, int64_t n);
+void mla_values(const Launch& L, const MlaDims& d, const DevPos* pos, int64_t n, const float* S, const DecodeAttn& a);
+// mla_scores + mla_values in one launch for few tokens (decode): each warp folds its cache rows
+// into a running softmax; several position splits are combined by the last block of each (token,
+// head block), counted in `counters` (zeroed device words, at least n * ceil(H / hb), left
+// zeroed). mla_decode_ok: the shapes it takes. mla_decode_splits: its position splits for n
+// tokens (from max_len, not the positions: a recorded step replays with others); each token's
+// positions spread over as many of them as give chunks of at least 16 rows, decided on the
+// device. hb: heads per block (1 or 2); mla_decode_heads: the choice for n tokens (one head per
+// block for a single token: twice the blocks over a short cache); cap: at most this many splits
+// (0: none).
+int mla_decode_heads(int64_t n);
+bool mla_decode_ok(const MlaDims& d, int64_t n, int64_t counters, int hb = 2);
+int mla_decode_splits(const MlaDims& d, int64_t n, int cap = 0, int hb = 2);
 void mla_decode_attn(const Launch& L, const MlaDims& d, const DevPos* pos, int64_t n, const DecodeAttn& a);
 // The same attention for any number of tokens (serving batches; kernels_mla.cu): a block per
 // (token, 16 heads, position split) stages 32 cache rows at a time in shared memory for all its

@@ -39,13 +39,22 @@ struct FlashArgs {
   float scale_log2;  // softmax scale * log2(e)
 };
 
+// The bf16 buffers flash_pack_kernel fills (FlashOps' layouts) and their sizes: m queries, Lk keys, H heads.
+struct FlashPack {
+  int64_t m, Lk;
+  int H;
+  __nv_bfloat16 *qh, *ql, *kh, *kl, *vh, *vl;
+};
+
 // Rows (t, h) < Lk * H: K = k_nope | pe, V; then rows (i, h) < m * H of Q. One warp per row.
+// q [m, H, QK], kvb [Lk, H, NOPE + V], pe [Lk, R].
 template <int NOPE, int R, int V>
 __global__ void flash_pack_kernel(const float* __restrict__ q, const float* __restrict__ kvb,
-                                  const float* __restrict__ pe, int64_t m, int64_t Lk, int H, __nv_bfloat16* qh,
-                                  __nv_bfloat16* ql, __nv_bfloat16* kh, __nv_bfloat16* kl, __nv_bfloat16* vh,
-                                  __nv_bfloat16* vl) {
+                                  const float* __restrict__ pe, FlashPack P) {
   constexpr int QK = NOPE + R;
+  const int64_t m = P.m, Lk = P.Lk;
+  const int H = P.H;
+  __nv_bfloat16 *qh = P.qh, *ql = P.ql, *kh = P.kh, *kl = P.kl, *vh = P.vh, *vl = P.vl;
   pdl_wait();
   pdl_trigger();
   const int lane = threadIdx.x & 31;
@@ -277,9 +286,11 @@ void flash_launch(const Launch& L, const FlashArgs& a) {
 }
 
 template <int NOPE, int R, int V>
-void flash_run(const Launch& L, const float* q, int64_t m, int64_t pos0, const float* kvb, const float* pe,
-               float* out, int H, float scale_log2, bool split, void* ws) {
+void flash_run(const Launch& L, const FlashRun& r, int H, float scale_log2) {
   constexpr int QK = NOPE + R;
+  const int64_t m = r.m, pos0 = r.pos0;
+  const bool split = r.split;
+  void* ws = r.ws;
   const int64_t Lk = pos0 + m;
   auto* b = static_cast<__nv_bfloat16*>(ws);
   FlashArgs a;
@@ -292,10 +303,10 @@ void flash_run(const Launch& L, const float* q, int64_t m, int64_t pos0, const f
   __nv_bfloat16 *qh = take(m * H * QK), *kh = take(Lk * H * QK), *vh = take(Lk * H * V);
   __nv_bfloat16 *ql = split ? take(m * H * QK) : nullptr, *kl = split ? take(Lk * H * QK) : nullptr,
                 *vl = split ? take(Lk * H * V) : nullptr;
-  launch(L, flash_pack_kernel<NOPE, R, V>, dim3(cdiv((Lk + m) * H, 8)), dim3(256), 0, q, kvb, pe, m, Lk, H, qh, ql,
-         kh, kl, vh, vl);
+  const FlashPack P{m, Lk, H, qh, ql, kh, kl, vh, vl};
+  launch(L, flash_pack_kernel<NOPE, R, V>, dim3(cdiv((Lk + m) * H, 8)), dim3(256), 0, r.q, r.kvb, r.pe, P);
   o.qh = qh, o.ql = ql, o.kh = kh, o.kl = kl, o.vh = vh, o.vl = vl;
-  a.m = m, a.pos0 = pos0, a.out = out, a.H = H, a.scale_log2 = scale_log2;
+  a.m = m, a.pos0 = pos0, a.out = r.out, a.H = H, a.scale_log2 = scale_log2;
   if (split) flash_launch<NOPE, R, V, true>(L, a);
   else flash_launch<NOPE, R, V, false>(L, a);
 }
@@ -319,12 +330,11 @@ size_t flash_prefill_ws(const MlaDims& d, int64_t m, int64_t pos0) {
   return d.nope == 128 ? flash_ws<128, 64, 128>(m, pos0, d.H) : flash_ws<32, 16, 32>(m, pos0, d.H);
 }
 
-void flash_prefill(const Launch& L, const MlaDims& d, const float* q, int64_t m, int64_t pos0, const float* kvb,
-                   const float* pe, float* out, bool split, void* ws) {
+void flash_prefill(const Launch& L, const MlaDims& d, const FlashRun& r) {
   DSV3_CHECK(flash_prefill_ok(d), "flash_prefill: unsupported head dims ", d.nope, "/", d.R, "/", d.V);
   const float sl2 = d.scale * 1.4426950408889634f;
-  if (d.nope == 128) flash_run<128, 64, 128>(L, q, m, pos0, kvb, pe, out, d.H, sl2, split, ws);
-  else flash_run<32, 16, 32>(L, q, m, pos0, kvb, pe, out, d.H, sl2, split, ws);
+  if (d.nope == 128) flash_run<128, 64, 128>(L, r, d.H, sl2);
+  else flash_run<32, 16, 32>(L, r, d.H, sl2);
 }
 
 }  // namespace dsv3::cuda

@@ -238,10 +238,13 @@ __global__ void __launch_bounds__(kThreads) gemm_kernel(DenseArgs D) {
 }
 
 template <int WT>
-__global__ void __launch_bounds__(kThreads) moe_gemm_kernel(int stage, const DevExpert* __restrict__ table, MoeSched s,
-                                                            int64_t ntiles0, const float* in, int64_t ldin, bool avec,
-                                                            int64_t half, float* out, int64_t ldout, bool fast) {
+__global__ void __launch_bounds__(kThreads) moe_gemm_kernel(MoeStage st, const DevExpert* __restrict__ table, MoeSched s,
+                                                            int64_t ntiles0, bool avec, int64_t half, bool fast) {
   __shared__ __align__(128) unsigned char smem[kSmemBytes];
+  const int stage = st.stage;
+  const float* in = st.in;
+  float* out = st.out;
+  const int64_t ldin = st.ldin, ldout = st.ldout;
   pdl_wait();
   pdl_trigger();
   if (int(blockIdx.y) >= *s.n_tiles) return;
@@ -280,20 +283,21 @@ bool gemm_ok(const DevLinear& w) {
   return w.t == kFP8 && w.row0 % 128 == 0 && w.col0 % 32 == 0;
 }
 
-void gemm(const Launch& L, const DevLinear& w0, const DevLinear* w1, int64_t col1, const float* a, int64_t lda,
-          const int32_t* idx, bool silu_pair, int64_t pair_off, int64_t M, float* c, int64_t ldc, bool fast,
-          int batch, GemvShift shift) {
+void gemm(const Launch& L, const DevLinear& w0, const DevLinear* w1, const ProductRows& io, const GemmForm& f) {
+  const int64_t M = io.m, pair_off = f.pair_off;
+  const int batch = io.batch;
+  const GemvShift shift = io.shift;
   if (M <= 0) return;
   DSV3_CHECK(gemm_ok(w0) && (!w1 || (gemm_ok(*w1) && w1->t == w0.t && w1->cols == w0.cols)));
   DenseArgs D;
   D.w[0] = w0, D.w[1] = w1 ? *w1 : w0;
   D.bvec[0] = vec_ok(D.w[0]), D.bvec[1] = vec_ok(D.w[1]);
-  D.col[0] = 0, D.col[1] = col1;
+  D.col[0] = 0, D.col[1] = f.col1;
   D.ntiles0 = cdiv(w0.rows, BN);
   const int64_t ntiles = D.ntiles0 + (w1 ? cdiv(w1->rows, BN) : 0);
-  D.a = a, D.lda = lda, D.idx = idx, D.silu_pair = silu_pair, D.pair_off = pair_off;
-  D.avec = a16(a) && lda % 4 == 0 && pair_off % 4 == 0;
-  D.M = M, D.c = c, D.ldc = ldc, D.fast = fast, D.shift = shift;
+  D.a = io.x, D.lda = io.ldx, D.idx = io.idx, D.silu_pair = f.silu_pair, D.pair_off = pair_off;
+  D.avec = a16(io.x) && io.ldx % 4 == 0 && pair_off % 4 == 0;
+  D.M = M, D.c = io.y, D.ldc = io.ldy, D.fast = f.fast, D.shift = shift;
   D.avec = D.avec && shift.xs % 4 == 0;
   DSV3_CHECK(batch == 1 || w0.t != kFP8 || shift.wrows % 128 == 0, "batched FP8 GEMM off the scale blocks");
   const dim3 grid(unsigned(ntiles), cdiv(M, BM), unsigned(batch));
@@ -301,15 +305,12 @@ void gemm(const Launch& L, const DevLinear& w0, const DevLinear* w1, int64_t col
   else launch(L, gemm_kernel<kBF16>, grid, dim3(kThreads), 0, D);
 }
 
-void moe_gemm(const Launch& L, int stage, const DevExpert* table, int64_t max_rows, int32_t wtype, const MoeSched& s,
-              const float* in, int64_t ldin, int64_t half, float* out, int64_t ldout, bool fast) {
-  const int64_t nt = cdiv(max_rows, BN);
-  const dim3 grid(unsigned(stage == 0 ? 2 * nt : nt), unsigned(s.max_tiles()));
-  const bool avec = a16(in) && ldin % 4 == 0 && half % 4 == 0;
-  if (wtype == kFP8)
-    launch(L, moe_gemm_kernel<kFP8>, grid, dim3(kThreads), 0, stage, table, s, nt, in, ldin, avec, half, out, ldout, fast);
-  else
-    launch(L, moe_gemm_kernel<kBF16>, grid, dim3(kThreads), 0, stage, table, s, nt, in, ldin, avec, half, out, ldout, fast);
+void moe_gemm(const Launch& L, const MoeStage& st, const MoeSched& s, int64_t half, bool fast) {
+  const int64_t nt = cdiv(st.max_rows, BN);
+  const dim3 grid(unsigned(st.stage == 0 ? 2 * nt : nt), unsigned(s.max_tiles()));
+  const bool avec = a16(st.in) && st.ldin % 4 == 0 && half % 4 == 0;
+  if (st.wtype == kFP8) launch(L, moe_gemm_kernel<kFP8>, grid, dim3(kThreads), 0, st, st.table, s, nt, avec, half, fast);
+  else launch(L, moe_gemm_kernel<kBF16>, grid, dim3(kThreads), 0, st, st.table, s, nt, avec, half, fast);
 }
 
 }  // namespace dsv3::cuda

@@ -623,7 +623,7 @@ __global__ void __launch_bounds__(kWarps * 32, 2) gate_route_kernel(Job J, Route
       route_one_block(ra, J.y, bias, s, nullptr, nullptr);
     } else {
       for (int64_t i = warp; i < s.n; i += kWarps)
-        route_token_warp(ra, J.y, bias, s, i, sc_s[warp], ch_s[warp], gs_s[warp], nullptr, nullptr);
+        route_token_warp(ra, J.y, bias, s, i, {sc_s[warp], ch_s[warp], gs_s[warp]}, nullptr, nullptr);
       __syncthreads();
       group_pairs(s, true);
     }
@@ -676,18 +676,19 @@ bool vec_ok(const DevLinear& w) {
   return aligned16(w.w) && w.cols % ce == 0 && w.ld % ce == 0 && w.col0 % ce == 0;
 }
 
-void gemv(const Launch& L, const DevLinear& w, const DevLinear* w3, const float* x, int64_t ldx, const int32_t* idx,
-          int64_t m, float* y, int64_t ldy, int batch, GemvShift shift) {
-  if (m <= 0 || w.rows <= 0) return;
-  if (tcv_gemv(L, w, w3, x, ldx, idx, m, y, ldy, batch, shift)) return;
+void gemv(const Launch& L, const DevLinear& w, const DevLinear* w3, const ProductRows& io) {
+  if (io.m <= 0 || w.rows <= 0) return;
+  if (tcv_gemv(L, w, w3, io)) return;
+  const int batch = io.batch;
+  const GemvShift shift = io.shift;
   Job J;
   J.a = w;
   J.fused = w3 != nullptr;
   J.b = w3 ? *w3 : w;
   DSV3_CHECK(!w3 || (w3->t == w.t && w3->rows == w.rows && w3->cols == w.cols));
-  J.x = x, J.ldx = ldx, J.idx = idx, J.m = m, J.y = y, J.ldy = ldy;
+  J.x = io.x, J.ldx = io.ldx, J.idx = io.idx, J.m = io.m, J.y = io.y, J.ldy = io.ldy;
   // Activation rows must be float4-aligned for the vector path (also after the batch shift).
-  const bool xvec = aligned16(x) && ldx % 4 == 0 && shift.xs % 4 == 0;
+  const bool xvec = aligned16(io.x) && io.ldx % 4 == 0 && shift.xs % 4 == 0;
   J.vec = xvec && vec_ok(w) && (!w3 || vec_ok(*w3));
   switch (w.t) {
     case kBF16: dispatch_nt<kBF16>(L, J, batch, shift); break;
@@ -750,8 +751,10 @@ bool gemv_splits_ok(const Launch& L, const DevLinear& w) {
   return fma_takes(L, w) && w.cols <= kSplitsMaxC && w.cols % 16 == 0;
 }
 
-void gemv_splits(const Launch& L, const DevLinear& w, int heads, GemvShift shift, const DevPos* pos, int nsplit,
-                 const float* part, const float* ml, const float* ol, float* y) {
+void gemv_splits(const Launch& L, const DevLinear& w, int heads, GemvShift shift, const DevPos* pos,
+                 const DecodeAttn& a, float* y) {
+  const int nsplit = a.nsplit;
+  const float *part = a.part, *ml = a.ml, *ol = a.ol;
   DSV3_CHECK(gemv_splits_ok(L, w) && nsplit >= 1 && nsplit <= kDecMaxSplits && heads >= 1, "gemv_splits: ", w.cols,
              " columns, ", nsplit, " splits");
   Job J;
@@ -772,31 +775,29 @@ bool gemv2_ok(const DevLinear& w, const DevLinear& w2, const float* x, int64_t m
          vec_ok(w2);
 }
 
-void moe_gemv(const Launch& L, int stage, const DevExpert* table, int64_t max_rows, int32_t wtype, const MoeSched& s,
-              const float* in, int64_t ldin, float* out, int64_t ldout) {
-  const int64_t groups = stage == 0 ? max_rows : (max_rows + 1) / 2;
+void moe_gemv(const Launch& L, const MoeStage& st, const MoeSched& s) {
+  const int64_t groups = st.stage == 0 ? st.max_rows : (st.max_rows + 1) / 2;
   const int64_t max_active = s.max_slots();
   const dim3 grid(gemv_blocks(groups, max_active, s.n == 1 ? 1 : 8), unsigned(max_active));
-  const bool xvec = aligned16(in) && ldin % 4 == 0;
+  const bool xvec = aligned16(st.in) && st.ldin % 4 == 0;
   const bool one = s.n == 1;  // each expert then sees exactly one token
-  switch (wtype) {
-    case kBF16:
-      if (one) launch(L, moe_gemv_kernel<kBF16, 1>, grid, dim3(kWarps * 32), 0, stage, table, s, in, ldin, xvec, out, ldout);
-      else launch(L, moe_gemv_kernel<kBF16, 8>, grid, dim3(kWarps * 32), 0, stage, table, s, in, ldin, xvec, out, ldout);
-      break;
-    case kFP8:
-      if (one) launch(L, moe_gemv_kernel<kFP8, 1>, grid, dim3(kWarps * 32), 0, stage, table, s, in, ldin, xvec, out, ldout);
-      else launch(L, moe_gemv_kernel<kFP8, 8>, grid, dim3(kWarps * 32), 0, stage, table, s, in, ldin, xvec, out, ldout);
-      break;
-    default:
-      if (one) launch(L, moe_gemv_kernel<kF32, 1>, grid, dim3(kWarps * 32), 0, stage, table, s, in, ldin, xvec, out, ldout);
-      else launch(L, moe_gemv_kernel<kF32, 8>, grid, dim3(kWarps * 32), 0, stage, table, s, in, ldin, xvec, out, ldout);
-      break;
+  auto go = [&](auto k1, auto k8) {
+    launch(L, one ? k1 : k8, grid, dim3(kWarps * 32), 0, st.stage, st.table, s, st.in, st.ldin, xvec, st.out, st.ldout);
+  };
+  switch (st.wtype) {
+    case kBF16: go(moe_gemv_kernel<kBF16, 1>, moe_gemv_kernel<kBF16, 8>); break;
+    case kFP8: go(moe_gemv_kernel<kFP8, 1>, moe_gemv_kernel<kFP8, 8>); break;
+    default: go(moe_gemv_kernel<kF32, 1>, moe_gemv_kernel<kF32, 8>); break;
   }
 }
 
-void gate_route(const Launch& L, const DevLinear& gate, const float* x, int64_t n, float* logits, const RouteArgs& r,
-                const float* bias, const MoeSched& s, unsigned* counter, bool route, const GateNorm* an) {
+void gate_route(const Launch& L, const DevLinear& gate, const RouteArgs& r, const MoeSched& s, const GateRoute& g) {
+  const float *x = g.x, *bias = g.bias;
+  const int64_t n = g.n;
+  float* logits = g.logits;
+  unsigned* counter = g.counter;
+  const bool route = g.route;
+  const GateNorm* an = g.norm;
   DSV3_CHECK(n <= 8 && r.E <= kMaxE && r.K <= kMaxK && r.G <= kMaxG && s.S <= 16 && r.E % r.G == 0);
   Job J;
   J.a = J.b = gate;

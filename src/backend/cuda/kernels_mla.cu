@@ -277,11 +277,15 @@ __device__ __forceinline__ float warp_sum4(const float* v, int lane) {
 
 // Block: `ppb` positions of token i for up to 16 heads; each warp takes ppb/8 positions, four
 // at a time (their cache rows in registers, each query value read once for the four).
-__global__ void __launch_bounds__(256) scores_kernel(MlaDims d, const DevPos* __restrict__ pos, int ppb, int hbs,
+struct ScoreBlocks {
+  int ppb, hbs;  // positions and heads per block
+};
+__global__ void __launch_bounds__(256) scores_kernel(MlaDims d, const DevPos* __restrict__ pos, ScoreBlocks sb,
                                                      const float* __restrict__ qa, const float* __restrict__ q,
                                                      const float* __restrict__ ckv, const float* __restrict__ cpe,
                                                      float* __restrict__ S) {
   extern __shared__ float qs[];  // [hbs][C + R]
+  const int ppb = sb.ppb, hbs = sb.hbs;
   pdl_wait();
   pdl_trigger();
   const int64_t i = blockIdx.x;
@@ -333,11 +337,19 @@ __global__ void __launch_bounds__(256) scores_kernel(MlaDims d, const DevPos* __
 // Positions [ts, te) of token i for up to 16 heads and 128 latent columns: local max m and sum l
 // of exp(S - m), and acc = sum exp(S - m) * kv. One split: ol = acc / l. Several: the parts and
 // (m, l) go to `part`/`ml` and values_reduce_kernel rescales them.
-__global__ void __launch_bounds__(128) values_kernel(MlaDims d, const DevPos* __restrict__ pos, int64_t n,
+struct ValueBlocks {
+  int64_t n, chunk;  // tokens, positions per split
+  int nsplit, hbs;   // splits, heads per block
+};
+__global__ void __launch_bounds__(128) values_kernel(MlaDims d, const DevPos* __restrict__ pos, ValueBlocks vb,
                                                      const float* __restrict__ S, const float* __restrict__ ckv,
-                                                     int nsplit, int64_t chunk, int hbs, float* __restrict__ part,
-                                                     float* __restrict__ ml, float* __restrict__ ol) {
+                                                     DecodeAttn a) {
   __shared__ float mx[kHB], sm[kHB], ps[kHB][32];
+  const int64_t n = vb.n, chunk = vb.chunk;
+  const int nsplit = vb.nsplit, hbs = vb.hbs;
+  float* __restrict__ part = a.part;
+  float* __restrict__ ml = a.ml;
+  float* __restrict__ ol = a.ol;
   pdl_wait();
   pdl_trigger();
   const int nhb = (d.H + hbs - 1) / hbs;
@@ -694,19 +706,16 @@ void mla_decode_many(const Launch& L, const MlaDims& d, const DevPos* pos, int64
     launch(L, values_reduce_kernel, dim3(unsigned(n * d.H)), dim3(128), 0, d, pos, n, chunk, a.part, a.ml, a.ol);
 }
 
-void mla_prep(const Launch& L, const MlaDims& d, bool naive, const DevPos* pos, int64_t n, float* q, const float* kv,
-              const float* kv_norm_w, const float* rope, float* cache_kv, float* cache_pe, float* latent,
-              float* cache_k) {
+void mla_prep(const Launch& L, const MlaDims& d, bool naive, const MlaPrep& p) {
   DSV3_CHECK(d.R % 2 == 0);
-  const PrepArgs P{d, naive, pos, q, kv, kv_norm_w, rope, cache_kv, cache_pe, latent, cache_k};
-  launch(L, prep_kernel, dim3(unsigned(n)), dim3(256), 0, P);
+  const PrepArgs P{d, naive, p.pos, p.q, p.kv, p.kv_norm_w, p.rope, p.cache_kv, p.cache_pe, p.latent, p.cache_k};
+  launch(L, prep_kernel, dim3(unsigned(p.n)), dim3(256), 0, P);
 }
 
-void mla_prep_qabs(const Launch& L, const MlaDims& d, const DevPos* pos, int64_t n, float* q, const float* kv,
-                   const float* kv_norm_w, const float* rope, float* cache_kv, float* cache_pe, const DevLinear& w,
-                   float* qa, bool qabs_vec) {
+void mla_prep_qabs(const Launch& L, const MlaDims& d, const MlaPrep& p, const DevLinear& w, float* qa, bool qabs_vec) {
   DSV3_CHECK(d.R % 2 == 0 && d.nope <= 8 * 16, "MLA shape beyond the fused prep/absorption kernel");
-  const PrepArgs P{d, false, pos, q, kv, kv_norm_w, rope, cache_kv, cache_pe, nullptr, nullptr};
+  const int64_t n = p.n;
+  const PrepArgs P{d, false, p.pos, p.q, p.kv, p.kv_norm_w, p.rope, p.cache_kv, p.cache_pe, nullptr, nullptr};
   const unsigned nq = unsigned(d.H) * cdiv(d.C, 64);
   // Many tokens (serving batches): the absorption's blocks split them in groups of 32.
   const int64_t per = n > 32 ? 32 : std::max<int64_t>(n, 1);
@@ -737,14 +746,13 @@ void mla_qabs(const Launch& L, const MlaDims& d, const DevLinear& w, const float
 // cache), all 16 when many tokens fill the GPU anyway.
 static int heads_per_block(int64_t n) { return n <= 4 ? 2 : (n <= 16 ? 4 : kHB); }
 
-void mla_scores(const Launch& L, const MlaDims& d, const DevPos* pos, int64_t n, const float* qa, const float* q,
-                const float* cache_kv, const float* cache_pe, float* S) {
+void mla_scores(const Launch& L, const MlaDims& d, const DevPos* pos, int64_t n, const DecodeAttn& a, float* S) {
   DSV3_CHECK(d.C + d.R <= 32 * kMaxJ, "kv_lora_rank + qk_rope_head_dim above ", 32 * kMaxJ);
   const int ppb = n >= 64 ? 128 : 32;  // positions per block: fewer for decode, to spread the cache
   const int hbs = heads_per_block(n);
   const dim3 grid(unsigned(n), cdiv(d.max_len, ppb), cdiv(d.H, hbs));
   const size_t smem = sizeof(float) * size_t(std::min(d.H, hbs)) * size_t(d.C + d.R);
-  launch(L, scores_kernel, grid, dim3(256), smem, d, pos, ppb, hbs, qa, q, cache_kv, cache_pe, S);
+  launch(L, scores_kernel, grid, dim3(256), smem, d, pos, ScoreBlocks{ppb, hbs}, a.qa, a.q, a.cache_kv, a.cache_pe, S);
 }
 
 int mla_splits(const MlaDims& d, int64_t n) {
@@ -755,14 +763,13 @@ int mla_splits(const MlaDims& d, int64_t n) {
   return int(std::max<int64_t>(s, 1));
 }
 
-void mla_values(const Launch& L, const MlaDims& d, const DevPos* pos, int64_t n, const float* S, const float* cache_kv,
-                int nsplit, float* part, float* ml, float* ol) {
-  const int64_t chunk = (d.max_len + nsplit - 1) / nsplit;
+void mla_values(const Launch& L, const MlaDims& d, const DevPos* pos, int64_t n, const float* S, const DecodeAttn& a) {
+  const int64_t chunk = (d.max_len + a.nsplit - 1) / a.nsplit;
   const int hbs = heads_per_block(n);
-  const dim3 grid(unsigned(n * cdiv(d.H, hbs)), cdiv(d.C, 128), unsigned(nsplit));
-  launch(L, values_kernel, grid, dim3(128), 0, d, pos, n, S, cache_kv, nsplit, chunk, hbs, part, ml, ol);
-  if (nsplit > 1)
-    launch(L, values_reduce_kernel, dim3(unsigned(n * d.H)), dim3(128), 0, d, pos, n, chunk, part, ml, ol);
+  const dim3 grid(unsigned(n * cdiv(d.H, hbs)), cdiv(d.C, 128), unsigned(a.nsplit));
+  launch(L, values_kernel, grid, dim3(128), 0, d, pos, ValueBlocks{n, chunk, a.nsplit, hbs}, S, a.cache_kv, a);
+  if (a.nsplit > 1)
+    launch(L, values_reduce_kernel, dim3(unsigned(n * d.H)), dim3(128), 0, d, pos, n, chunk, a.part, a.ml, a.ol);
 }
 
 namespace {

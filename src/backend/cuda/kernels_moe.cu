@@ -26,7 +26,7 @@ __global__ void __launch_bounds__(kRouteWarps * 32) route_kernel(int mode, Route
   }
   const int64_t first = int64_t(blockIdx.x) * nwarps + warp, stride = int64_t(gridDim.x) * nwarps;
   for (int64_t i = first; i < s.n; i += stride)
-    route_token_warp(ra, logits, bias, s, i, sc_s[warp], ch_s[warp], gs_s[warp], topk_idx, topk_w);
+    route_token_warp(ra, logits, bias, s, i, {sc_s[warp], ch_s[warp], gs_s[warp]}, topk_idx, topk_w);
   if (mode == 1) return;
   __syncthreads();
   group_pairs(s, tiles);
@@ -140,8 +140,12 @@ __global__ void __launch_bounds__(1024) combine_add_rmsnorm_kernel(MoeSched s, c
 
 }  // namespace
 
-void moe_combine_add_rmsnorm(const Launch& L, const MoeSched& s, const float* o, int64_t d, float* y, float* h,
-                             const float* w, float eps, float* x) {
+void moe_combine_add_rmsnorm(const Launch& L, const CombineNorm& cn) {
+  const MoeSched& s = cn.s;
+  const float *o = cn.o, *w = cn.w;
+  const int64_t d = cn.d;
+  float *y = cn.y, *h = cn.h, *x = cn.x;
+  const float eps = cn.eps;
   const bool v4 = d % 4 == 0 && ((reinterpret_cast<uintptr_t>(o) | reinterpret_cast<uintptr_t>(y) |
                                   reinterpret_cast<uintptr_t>(h) | reinterpret_cast<uintptr_t>(w) |
                                   reinterpret_cast<uintptr_t>(x)) & 15) == 0;

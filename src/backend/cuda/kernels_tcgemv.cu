@@ -566,15 +566,16 @@ static bool tcv_fits(const Launch& L, const DevLinear& w, int64_t m) {
          smem_bytes(w.t, w.cols, int(m), 8, true) <= kMaxSmem;
 }
 
-bool tcv_gemv(const Launch& L, const DevLinear& w, const DevLinear* w3, const float* x, int64_t ldx,
-              const int32_t* idx, int64_t m, float* y, int64_t ldy, int batch, GemvShift shift) {
-  if (!tcv_fits(L, w, m) || !x_ok(x, ldx, shift.xs)) return false;
+bool tcv_gemv(const Launch& L, const DevLinear& w, const DevLinear* w3, const ProductRows& io) {
+  const int batch = io.batch;
+  const GemvShift shift = io.shift;
+  if (!tcv_fits(L, w, io.m) || !x_ok(io.x, io.ldx, shift.xs)) return false;
   if (w3 && (!tcv_ok(*w3) || w3->t != w.t || w3->rows != w.rows || w3->cols != w.cols)) return false;
   if (w.t == kFP8 && batch > 1 && shift.wrows % 16 != 0) return false;
   TcvJob J;
   J.a = w;
   J.b = w3 ? *w3 : w;
-  J.x = x, J.ldx = ldx, J.idx = idx, J.m = int(m), J.y = y, J.ldy = ldy;
+  J.x = io.x, J.ldx = io.ldx, J.idx = io.idx, J.m = int(io.m), J.y = io.y, J.ldy = io.ldy;
   if (w3) dispatch_tcv<1>(L, J, batch, shift);
   else dispatch_tcv<0>(L, J, batch, shift);
   return true;
@@ -592,21 +593,21 @@ bool tcv_gemv2(const Launch& L, const DevLinear& w, float* y, const DevLinear& w
   return true;
 }
 
-bool tcv_moe(const Launch& L, int stage, const DevExpert* table, int64_t max_rows, int32_t wtype, const MoeSched& s,
-             const float* in, int64_t ldin, float* out, int64_t ldout) {
-  const int64_t K = ldin;  // x or h rows: as wide as the largest K of the stage
-  if (s.n > L.tcv_max || s.n > 8 || !(wtype == kFP8 || (wtype == kBF16 && bf16_ok(L, s.n))) || !x_ok(in, ldin, 0))
+bool tcv_moe(const Launch& L, const MoeStage& st, const MoeSched& s) {
+  const int32_t wtype = st.wtype;
+  const int64_t K = st.ldin, max_rows = st.max_rows;  // x or h rows: as wide as the largest K of the stage
+  if (s.n > L.tcv_max || s.n > 8 || !(wtype == kFP8 || (wtype == kBF16 && bf16_ok(L, s.n))) || !x_ok(st.in, K, 0))
     return false;
   if (wtype == kFP8 && L.fp8_experts_on_fma(s.n)) return false;
   const int64_t max_active = s.max_slots();
   const int64_t tiles = (max_rows + 15) / 16;
   const int ks = choose_ks(tiles * max_active, nit_of(wtype, K));
-  const size_t smem = smem_bytes(wtype, K, int(s.n), ks, stage == 0);
+  const size_t smem = smem_bytes(wtype, K, int(s.n), ks, st.stage == 0);
   if (smem > kMaxSmem) return false;
   const dim3 grid(cdiv(tiles * ks, kTW), unsigned(max_active));
   auto go = [&](auto kernel) {
     allow_smem(kernel, smem);
-    launch(L, kernel, grid, dim3(kTW * 32), smem, stage, table, s, in, ldin, out, ldout, ks);
+    launch(L, kernel, grid, dim3(kTW * 32), smem, st.stage, st.table, s, st.in, st.ldin, st.out, st.ldout, ks);
   };
   const bool one = s.n == 1;
   if (wtype == kFP8) one ? go(tcv_moe_kernel<kFP8, true>) : go(tcv_moe_kernel<kFP8, false>);

@@ -52,11 +52,16 @@ __device__ __forceinline__ void one_token_slot(const MoeSched& s, int p, int a, 
   if (a >= 0) s.active[a] = e, s.tile_e[a] = e, s.tile_m0[a] = 0;
 }
 
+// A warp's shared scratch for routing one token: scores and choice values [kMaxE], group scores [kMaxG].
+struct RouteScratch {
+  float *sc, *ch, *gs;
+};
+
 // Warp `lane`s route token i (gate.cc's choices) and write its K experts, by expert index, as
 // ids into pair_of[i, :K] with their weights in pw (the grouping turns ids into pair rows).
 __device__ void route_token_warp(const RouteArgs& ra, const float* __restrict__ logits, const float* __restrict__ bias,
-                                 const MoeSched& s, int64_t i, float* sc, float* ch, float* gs, int32_t* topk_idx,
-                                 float* topk_w) {
+                                 const MoeSched& s, int64_t i, RouteScratch scratch, int32_t* topk_idx, float* topk_w) {
+  float *sc = scratch.sc, *ch = scratch.ch, *gs = scratch.gs;
   const int E = s.E, K = s.K, Kt = s.K + s.S, G = ra.G, per = E / G, lane = threadIdx.x & 31;
   constexpr int kPer = kMaxE / 32;  // experts per lane at most
   const int nj = (E + 31) / 32;     // ... and for this E (the loops below skip the rest)
