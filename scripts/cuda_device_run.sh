@@ -10,7 +10,7 @@
 # dsv3_cuda_bench; "none" to skip), SANITIZE=1 (compute-sanitizer memcheck over the op tests),
 # ALT_NVFLAGS (build the kernels a second time with these nvcc flags as bench_alt and run BENCH_ARGS on
 # both, alternating ALT_ROUNDS times with ALT_ARGS if given), ALT_SRC (... or from the CUDA backend (.cu and .cc) of this copy of src/, e.g.
-# an untracked alt/src carried along), ALT2_NVFLAGS / ALT2_SRC (a third build, bench_alt2, in the same rounds), LT_ARGS (run dsv3_cublaslt_bench with them), CLI=1 (also build `dsv3` with the bench command) and CLI_ARGS (run it, e.g. "bench --device cuda ...").
+# an untracked alt/src carried along), ALT2_NVFLAGS / ALT2_SRC (a third build, bench_alt2, in the same rounds), LT_ARGS (run dsv3_cublaslt_bench with them), CLI=1 (also build `dsv3` with the bench command; CLI=full: every command, the server included) and CLI_ARGS (run it, e.g. "bench --device cuda ...").
 # OLD_TREE=DIR (another checkout, e.g. an untracked copy of main carried along: built with its own copy of
 # this script in the background, its benchmark run alternately with this tree's, OLD_ROUNDS times, with OLD_ARGS,
 # default BENCH_ARGS), JOBS (parallel compiles, default all cores).
@@ -29,6 +29,21 @@ if [ "${1:-}" = "--deps" ]; then
   rm -rf "$DEPS" && mkdir -p "$DEPS/include" "$DEPS/gtest"
   cp -r /usr/include/nlohmann "$DEPS/include/"
   cp -r /usr/src/googletest/googletest/include /usr/src/googletest/googletest/src "$DEPS/gtest/"
+  # CLI=full (the whole dsv3 binary, server included): cpp-httplib (a compiled library in Debian, built with
+  # OpenSSL, zlib and brotli), PCRE2, their headers, and the chat page CMake generates (from build-nc/ or build/).
+  mkdir -p "$DEPS/server/include/x86_64-linux-gnu" "$DEPS/server/lib" "$DEPS/server/gen/server"
+  cp -r /usr/include/httplib.h /usr/include/pcre2.h /usr/include/openssl /usr/include/brotli /usr/include/zlib.h \
+    /usr/include/zconf.h "$DEPS/server/include/"
+  cp -r /usr/include/x86_64-linux-gnu/openssl "$DEPS/server/include/x86_64-linux-gnu/"
+  for l in cpp-httplib.so.0.11 pcre2-8.so.0 ssl.so.3 crypto.so.3 z.so.1 brotlidec.so.1 brotlienc.so.1 brotlicommon.so.1; do
+    cp -L /usr/lib/x86_64-linux-gnu/lib$l "$DEPS/server/lib/"
+  done
+  page=$(ls build-nc/generated/server/chat_page_html.h build/generated/server/chat_page_html.h 2>/dev/null | head -1)
+  [ -n "$page" ] && cp "$page" "$DEPS/server/gen/server/" || echo "no generated chat page: build dsv3 here first (CLI=full needs it)"
+  # The DeepSeek-V3 tokenizer (dsv3 synth writes it beside the weights; the device cannot fetch it):
+  # DSV3_TOKENIZER_DIR=.devdeps/tokenizer there.
+  tok=${DSV3_TOKENIZER_DIR:-$HOME/.cache/dsv3/tokenizer/deepseek-v3}
+  [ -f "$tok/tokenizer.json" ] && cp -r "$tok" "$DEPS/tokenizer" || echo "no tokenizer in $tok: run scripts/fetch_tokenizer.sh"
   grep -qx '/.devdeps/' .git/info/exclude 2>/dev/null || echo '/.devdeps/' >> .git/info/exclude
   exit 0
 fi
@@ -92,6 +107,14 @@ if [ "${CLI:-0}" = 1 ]; then  # the dsv3 binary with the bench command only (for
            src/tools/bench_model.cc src/tools/bench_serving.cc src/tools/serving_report.cc; do
     compile "$s" "$B/cli/$(echo "$s" | tr / _).o" g++ $CXXFLAGS
   done
+elif [ "${CLI:-0}" = full ]; then  # the whole dsv3 binary: every command, the HTTP server among them
+  mkdir -p "$B/cli"
+  SD=$DEPS/server
+  for s in src/backend/registry.cc src/backend/cpu/*.cc src/tools/*.cc src/server/*.cc src/text/*.cc; do
+    compile "$s" "$B/cli/$(echo "$s" | tr / _).o" g++ $CXXFLAGS -I$SD/include -I$SD/include/x86_64-linux-gnu -I$SD/gen \
+      -DCPPHTTPLIB_OPENSSL_SUPPORT -DCPPHTTPLIB_ZLIB_SUPPORT -DCPPHTTPLIB_BROTLI_SUPPORT
+  done
+  CLI_LIBS="$(ls $SD/lib/*) -Wl,-rpath,$SD/lib"
 fi
 # A second or third build for A/B runs (bench_alt, bench_alt2): the kernels with more nvcc flags,
 # or from a source tree of its own, which then also builds the backend's host code (it calls the
@@ -129,7 +152,7 @@ if [ $fail = 0 ]; then
   g++ -o "$B/ltbench" "$B/ltbench.o" $B/obj/*.o $LIBS || fail=1
   if [ -n "$ALT" ]; then alt_link alt "${ALT_SRC:-}" || fail=1; fi
   if [ -n "$ALT2" ]; then alt_link alt2 "${ALT2_SRC:-}" || fail=1; fi
-  if [ "${CLI:-0}" = 1 ]; then g++ -o "$B/dsv3" $B/cli/*.o $B/obj/*.o $LIBS || fail=1; fi
+  if [ "${CLI:-0}" != 0 ]; then g++ -o "$B/dsv3" $B/cli/*.o $B/obj/*.o $LIBS ${CLI_LIBS:-} || fail=1; fi
 fi
 log "build done in $(( $(date +%s) - t0 )) s, fail=$fail"
 [ $fail = 0 ] || exit 1
