@@ -10,6 +10,8 @@
 //                   [--generate] (also Generator::run, greedy, argmax on the device vs the host sampler)
 //                   [--decode-only] [--variants default,unfused,...]   (only the named runs; unfused and
 //                   no-<fusion>: the step graph without its fusions or without one)
+//                   [--shape 671B [--layers N]]   (another model's shape, model/shapes.h, cut to N layers;
+//                   the reference's anchors go with the default shape only)
 // --profile adds a run that times every op and kernel group with events (no graphs).
 #include <cuda_runtime.h>
 
@@ -27,6 +29,7 @@
 #include "backend/cuda/cuda_backend.h"
 #include "backend/cuda/kernels.h"
 #include "runtime/model.h"
+#include "model/shapes.h"
 #include "runtime/generate.h"
 #include "runtime/rewrites.h"
 
@@ -107,8 +110,8 @@ int main(int argc, char** argv) {
   bool quick = false, profile = false, prefill_only = false, decode_only = false, generate = false;
   std::vector<std::string> only;
   std::vector<int> batches = {1, 8};
-  int ctx = 16;
-  std::string json;
+  int ctx = 16, layers = 0;
+  std::string json, shape;
   for (int i = 1; i < argc; ++i) {
     std::string s = argv[i];
     auto next = [&]() -> std::string {
@@ -153,9 +156,14 @@ int main(int argc, char** argv) {
       ctx = std::max(1, std::atoi(next().c_str()));
     } else if (s == "--profile") {
       profile = true;
+    } else if (s == "--shape") {
+      shape = next();
+    } else if (s == "--layers") {
+      layers = std::max(1, std::atoi(next().c_str()));
     } else {
       std::fprintf(stderr, "usage: dsv3_cuda_bench [--dtypes bf16,fp8] [--steps N] [--json FILE] [--quick] [--profile] "
-                           "[--prefill-only] [--ctx N] [--decode-only] [--variants a,b] [--batches 1,8] [--generate]\n");
+                           "[--prefill-only] [--ctx N] [--decode-only] [--variants a,b] [--batches 1,8] [--generate] "
+                           "[--shape NAME [--layers N]]\n");
       return 2;
     }
   }
@@ -175,7 +183,8 @@ int main(int argc, char** argv) {
     const double peak = anchors::kBf16MatmulTFlops * 1e12;
     for (const std::string& dt : dtypes) {
       const bool fp8 = dt == "fp8";
-      const ModelArgs a = shape_16b(fp8);
+      const ModelArgs a = shape.empty() ? shape_16b(fp8) : shape_args(shape, dt, layers);
+      const bool anchored = shape.empty();  // (the reference was measured on its 16B config)
       std::vector<Variant> vars;
       CudaOptions base = CudaOptions::from_env();  // graphs + PDL, float32-grade GEMMs (DSV3_CUDA_* may change it)
       vars.push_back({"default", base, true, true});
@@ -291,7 +300,7 @@ int main(int argc, char** argv) {
             l.dtype = dt, l.what = "decode b" + std::to_string(B), l.variant = v.name;
             l.tok_s = B * 1e3 / ms, l.ms = ms, l.floor_ms = bytes / (bw * 1e9) * 1e3;
             l.experts = distinct;
-            if (B == 1 || B == 8) {  // (the anchors' batches)
+            if (anchored && (B == 1 || B == 8)) {  // (the anchors' batches)
               l.ref = fp8 ? (B == 1 ? anchors::kRefFp8Bf16GemmDecodeB1 : anchors::kRefFp8DecodeB8)
                           : (B == 1 ? anchors::kRefBf16DecodeB1 : anchors::kRefBf16DecodeB8);
               l.hf = B == 1 ? anchors::kHfBf16DecodeB1 : anchors::kHfBf16DecodeB8;
@@ -360,8 +369,10 @@ int main(int argc, char** argv) {
           Line l;
           l.dtype = dt, l.what = "prefill 1024", l.variant = v.name;
           l.tok_s = T * 1e3 / ms, l.ms = ms, l.floor_ms = floor_ms;
-          l.ref = fp8 ? anchors::kRefFp8Bf16GemmPrefill1024 : anchors::kRefBf16Prefill1024;
-          l.hf = anchors::kHfBf16Prefill1024;
+          if (anchored) {
+            l.ref = fp8 ? anchors::kRefFp8Bf16GemmPrefill1024 : anchors::kRefBf16Prefill1024;
+            l.hf = anchors::kHfBf16Prefill1024;
+          }
           report(l);
           if (v.profile) std::printf("%s", cuda::profile_report(*bp, true).c_str());
         }
