@@ -234,6 +234,11 @@ int main(int argc, char** argv) {
           {"no-linear-pair", kRewritesAll & ~(kRewriteLinearPair | kRewriteCombineIntoPair)}};
       for (auto [name, rw] : unfused)
         if (asked(name)) vars.push_back({name, base, true, true, false, rw});
+      if (asked("no-long-k")) {  // 2-8 tokens of rows too long for the tensor-core GEMV on the FMA GEMV
+        CudaOptions o = base;
+        o.tune.tc_long_k = false;
+        vars.push_back({"no-long-k", o, true, false});
+      }
       if (asked("gate-route")) {  // one token routed by the gate kernel's last block, not the experts'
         CudaOptions o = base;
         o.tune.route_in_experts = false;

@@ -97,7 +97,8 @@ for s in src/backend/cuda/*.cu; do compile "$s" "$B/obj/$(echo "$s" | tr / _).o"
 for s in $SRCS; do compile "$s" "$B/obj/$(echo "$s" | tr / _).o" g++ $CXXFLAGS; done
 compile "$DEPS/gtest/src/gtest-all.cc" "$B/gtest-all.o" g++ -std=c++17 -O2 -I$DEPS/gtest/include -I$DEPS/gtest
 compile "$DEPS/gtest/src/gtest_main.cc" "$B/gtest_main.o" g++ -std=c++17 -O2 -I$DEPS/gtest/include
-compile tests/cuda_backend_test.cc "$B/test.o" g++ $CXXFLAGS -Itests "-DDSV3_TEST_DATA=\"$ROOT/tests/data\""
+BIN_DEF=; [ "${CLI:-0}" = full ] && BIN_DEF="-DDSV3_BINARY=\"$B/dsv3\""  # (the tests of the dsv3 command too)
+compile tests/cuda_backend_test.cc "$B/test.o" g++ $CXXFLAGS -Itests "-DDSV3_TEST_DATA=\"$ROOT/tests/data\"" $BIN_DEF
 compile tests/cuda_nccl_test.cc "$B/test_nccl.o" g++ $CXXFLAGS -Itests
 compile bench/cuda_bench.cc "$B/bench.o" g++ $CXXFLAGS -Ibench
 compile bench/cublaslt_fp8_bench.cc "$B/ltbench.o" g++ $CXXFLAGS -Ibench

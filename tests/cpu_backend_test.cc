@@ -752,6 +752,30 @@ TEST(BenchCommand, PrintsOneJsonObjectWithTheFloors) {
   EXPECT_EQ(j["weight_memory"].get<std::string>(), "copy");  // a tiny model fits: --weight-memory auto copies it
 }
 
+// dsv3 bench --tp-shard 2: rank 0's share of the model spread over 2 ranks, the other stood in
+// for: its slices of the checkpoint only (fewer bytes, fewer experts a step), the report says so.
+TEST(BenchCommand, TpShardMeasuresRankZerosShare) {
+  const std::string out = ::testing::TempDir() + "/dsv3_bench_tp.json";
+  nlohmann::json whole, half;
+  for (int tp : {1, 2}) {
+    const std::string cmd = std::string(DSV3_BINARY) + " bench --model " + case_dir("v3_fp8") + "/hf --tp-shard " +
+                            std::to_string(tp) + " --batch 1,3 --prompt 20 --gen 3 --decode-ctx 5 --bw-gb 0.05 --threads 2 --json > " +
+                            out + " 2>/dev/null";
+    ASSERT_EQ(std::system(cmd.c_str()), 0) << cmd;
+    std::ifstream f(out);
+    (tp == 1 ? whole : half) = nlohmann::json::parse(f);
+  }
+  EXPECT_EQ(whole["tp_shard"].get<int>(), 1);
+  EXPECT_EQ(half["tp_shard"].get<int>(), 2);
+  EXPECT_NE(half["model"].get<std::string>().find("rank 0 of 2"), std::string::npos) << half["model"];
+  const double ratio = half["weights_bytes"].get<double>() / whole["weights_bytes"].get<double>();
+  EXPECT_GT(ratio, 0.45);
+  EXPECT_LT(ratio, 0.65);  // (the gate and the low-rank projections are whole on every rank)
+  // Rank 0 runs only its half of the experts: fewer a step than the whole model at batch 3.
+  EXPECT_LT(half["decode"][1]["routed_experts_per_layer"].get<double>(), whole["decode"][1]["routed_experts_per_layer"].get<double>());
+  EXPECT_EQ(half["decode"][1]["tokens"].get<int>(), 3 * 3);
+}
+
 // dsv3 bench's model choice: a checkpoint or a synthetic shape (made on the GPU), not both or
 // neither; the synthetic options only with --synthetic; a bad shape named.
 TEST(BenchCommand, RefusesBadModelChoices) {
@@ -768,6 +792,8 @@ TEST(BenchCommand, RefusesBadModelChoices) {
       {"--model " + model + " --dtype fp8", "--dtype, --layers and --vocab go with --synthetic"},
       {"--synthetic 16B --bw-gb 0.01", "--synthetic makes its weights on the GPU: give --device cuda"},
       {"--model " + model + " --bw-gb 0.01 --weight-memory mapped", "--weight-memory must be auto, map or copy, got 'mapped'"},
+      {"--model " + model + " --bw-gb 0.01 --tp-shard 3", "num_attention_heads 4 does not divide among 3 ranks"},
+      {"--model " + model + " --bw-gb 0.01 --tp-shard 0", "--tp-shard must be in [1, 1024], got 0"},
   };
   for (const auto& [opts, want] : cases) {
     const auto [rc, msg] = run(opts);

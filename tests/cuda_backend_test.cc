@@ -24,6 +24,7 @@
 #include "backend/cuda/kernels.h"
 #include "backend/cuda/upload.h"
 #include "backend/ref/fp8.h"
+#include "dist/comm.h"
 #include "golden_util.h"
 #include "io/checkpoint.h"
 #include "paged_util.h"
@@ -311,6 +312,74 @@ TEST(CudaOps, LinearMatchesRef) {
         const double tol = fast && tensor_cores ? 1e-2 : (tensor_cores ? 3e-5 : 2e-6);
         EXPECT_LE(err, tol) << dtype_name(t) << " n=" << c.n << " out=" << c.out << " in=" << c.in << " mode "
                             << mode;
+      }
+    }
+  }
+}
+
+// A stand-in world (dsv3 bench --tp-shard): all_reduce keeps this rank's part, all_gather puts it
+// in every rank's columns ([rows, P * d]), one row or several.
+TEST(CudaOps, StandInWorldKeepsThisRanksPart) {
+  REQUIRE_GPU();
+  auto cuda = make_cuda_backend(opts());
+  std::unique_ptr<Comm> world = make_stand_in_comm(3);
+  for (int64_t rows : {1, 4}) {
+    const int64_t d = 36;
+    const std::vector<float> x = randn(size_t(rows * d), uint32_t(rows));
+    Dev xd(*cuda, x), yd(*cuda, std::vector<float>(size_t(rows * 3 * d), -1.f));
+    cuda->all_reduce(*world, xd.p, rows * d);
+    EXPECT_EQ(xd.get(), x);
+    cuda->all_gather(*world, xd.p, rows, d, yd.p);
+    const std::vector<float> y = yd.get();
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t p = 0; p < 3; ++p)
+        for (int64_t c = 0; c < d; ++c)
+          ASSERT_EQ(y[size_t(r * 3 * d + p * d + c)], x[size_t(r * d + c)]) << rows << " rows, row " << r << " part " << p;
+  }
+}
+
+// 2 to 8 tokens of products with rows too long for the tensor-core GEMV's shared memory (the 671B
+// shape's 7168, 16384 and 18432 columns): on the pipelined GEMM by default (tc_long_k), on the FMA
+// GEMV with it off; a linear, and the dense MLP whose second stage alone is too long. Against the
+// ref backend, each at its path's bar.
+TEST(CudaOps, FewTokensOfLongRowsMatchRef) {
+  REQUIRE_GPU();
+  auto ref = make_ref_backend();
+  const std::vector<LinCase> cases = {{3, 256, 18432}, {8, 200, 7168}, {4, 130, 16384}, {2, 128, 7168}};
+  for (bool long_k : {true, false}) {
+    CudaOptions o;
+    o.tune.tc_long_k = long_k;
+    auto cuda = make_cuda_backend(o);
+    for (DType t : {DType::BF16, DType::F8_E4M3}) {
+      const int32_t wt = t == DType::BF16 ? cuda::kBF16 : cuda::kFP8;
+      for (const LinCase& c : cases) {
+        const bool gemm = long_k && !cuda::tcv_holds(wt, c.in, c.n);
+        if (c.in != 7168 || c.n != 2) EXPECT_FALSE(cuda::tcv_holds(wt, c.in, c.n)) << c.in << " n=" << c.n;
+        HostLinear h = make_linear(t, c.out, c.in, uint32_t(c.n * 1000 + c.out));
+        Linear dl = to_device(*cuda, h.lin);
+        std::vector<float> x = randn(size_t(c.n * c.in), uint32_t(c.in + 11)), want(size_t(c.n * c.out));
+        ref->linear(x.data(), c.n, h.lin, want.data());
+        Dev xd(*cuda, x), yd(*cuda, want.size());
+        cuda->linear(xd.p, c.n, dl, yd.p);
+        EXPECT_LE(rel_l2(yd.get().data(), want.data(), want.size()), gemm ? 3e-5 : 2e-6)
+            << dtype_name(t) << " n=" << c.n << " in=" << c.in << " long_k " << long_k;
+      }
+      // dense MLP: dim 512, inter 18432 (w2's K: too long from 2 tokens up... at 3 for e4m3)
+      const int64_t D = 512, I = 18432;
+      std::vector<HostLinear> keep;
+      keep.reserve(3);
+      for (auto [out, in] : {std::pair<int64_t, int64_t>{I, D}, {D, I}, {I, D}})
+        keep.push_back(make_linear(t, out, in, uint32_t(out * 3 + in + keep.size())));
+      MLPWeights hw{keep[0].lin, keep[1].lin, keep[2].lin};
+      MLPWeights dw{to_device(*cuda, hw.w1), to_device(*cuda, hw.w2), to_device(*cuda, hw.w3)};
+      for (int64_t n : {2, 4, 8}) {
+        const bool gemm = long_k && !cuda::tcv_holds(wt, I, n);
+        std::vector<float> x = randn(size_t(n * D), uint32_t(n + 99)), want(x.size());
+        ref->mlp(hw, x.data(), n, want.data());
+        Dev xd(*cuda, x), yd(*cuda, x.size());
+        cuda->mlp(dw, xd.p, n, yd.p);
+        EXPECT_LE(rel_l2(yd.get().data(), want.data(), want.size()), gemm ? 5e-5 : 5e-6)
+            << dtype_name(t) << " mlp n=" << n << " long_k " << long_k;
       }
     }
   }
@@ -734,7 +803,10 @@ TEST(CudaOps, MoeDecodePathsMatchRef) {
   struct Shape {
     int64_t dim, inter, E, K, S;
   };
-  for (Shape sh : {Shape{256, 128, 8, 2, 2}, Shape{2048, 1408, 4, 2, 1}, Shape{4096, 384, 4, 2, 2}}) {
+  // (dim 7168, the 671B shape's: from 7 tokens the first stage's rows do not fit the tensor-core
+  // GEMV, and the stages go to the pipelined GEMM unless tc_long_k is off)
+  for (Shape sh : {Shape{256, 128, 8, 2, 2}, Shape{2048, 1408, 4, 2, 1}, Shape{4096, 384, 4, 2, 2},
+                   Shape{7168, 256, 4, 2, 1}}) {
     ModelArgs a;
     a.dim = sh.dim, a.moe_inter_dim = sh.inter, a.n_routed_experts = sh.E, a.n_activated_experts = sh.K;
     a.n_shared_experts = sh.S, a.n_layers = 1, a.n_dense_layers = 0;
@@ -757,12 +829,14 @@ TEST(CudaOps, MoeDecodePathsMatchRef) {
       keep.push_back(make_linear(DType::BF16, a.n_routed_experts, a.dim, 4242));
       L.moe_w.gate = keep.back().lin.weight;
       // 0: default (tensor cores: e4m3, bf16 from 2 tokens), 1: bf16 at 1 too, 2: FMA only;
-      // 3 and 4: 0 and 2 with one token routed by the gate kernel's last block, not the experts'
-      for (int path = 0; path < 5; ++path) {
+      // 3 and 4: 0 and 2 with one token routed by the gate kernel's last block, not the experts';
+      // 5: 0 with rows too long for the tensor-core GEMV on the FMA GEMV (tc_long_k off)
+      for (int path = 0; path < 6; ++path) {
         CudaOptions o = opts();
-        o.tune.tcv_bf16_min = path == 1 ? 1 : (path == 0 || path == 3 ? 2 : 0);
+        o.tune.tcv_bf16_min = path == 1 ? 1 : (path == 0 || path == 3 || path == 5 ? 2 : 0);
         if (path == 2 || path == 4) o.tune.tcv_max = 0;
-        o.tune.route_in_experts = path < 3;
+        o.tune.route_in_experts = path < 3 || path == 5;
+        o.tune.tc_long_k = path != 5;
         auto cuda = make_cuda_backend(o);
         ModelWeights dev = host;
         cuda->prepare_weights(a, dev);
@@ -772,7 +846,10 @@ TEST(CudaOps, MoeDecodePathsMatchRef) {
           ref->moe(a, host.layers[0].moe_w, x.data(), n, want.data());
           Dev xd(*cuda, x), yd(*cuda, x.size());
           cuda->moe(a, dev.layers[0].moe_w, xd.p, n, yd.p);
-          EXPECT_LE(rel_l2(yd.get().data(), want.data(), want.size()), 5e-6)
+          // (the pipelined GEMM splits activations into bf16 hi + lo: its bar)
+          const bool gemm = o.tune.tc_long_k && o.tune.tcv_max >= n && n >= 2 &&
+                            !cuda::tcv_holds(t == DType::BF16 ? cuda::kBF16 : cuda::kFP8, D, n);
+          EXPECT_LE(rel_l2(yd.get().data(), want.data(), want.size()), gemm ? 5e-5 : 5e-6)
               << dtype_name(t) << " dim " << D << " n=" << n << " path " << path;
         }
       }
@@ -1828,6 +1905,22 @@ TEST(BenchCommand, DeviceCuda) {
   } else {
     EXPECT_NE(rc, 0);
     EXPECT_NE(msg.find("--device cuda"), std::string::npos) << msg;
+  }
+  if (gpu_usable()) {  // rank 0's share of a world of 2 (--tp-shard), random weights made on the GPU: half the bytes
+    nlohmann::json whole, half;
+    for (int tp : {1, 2}) {
+      const std::string c = std::string(DSV3_BINARY) + " bench --device cuda --synthetic tiny --tp-shard " +
+                            std::to_string(tp) + " --batch 1,3 --prompt 24 --gen 3 --decode-ctx 5 --bw-gb 0.05 --json > " +
+                            out + " 2> " + err;
+      ASSERT_EQ(std::system(c.c_str()), 0) << c;
+      std::ifstream f(out);
+      (tp == 1 ? whole : half) = nlohmann::json::parse(f);
+    }
+    EXPECT_EQ(half["tp_shard"].get<int>(), 2);
+    const double ratio = half["weights_bytes"].get<double>() / whole["weights_bytes"].get<double>();
+    EXPECT_GT(ratio, 0.45);
+    EXPECT_LT(ratio, 0.6);  // (the gate and the low-rank projections are whole on every rank)
+    EXPECT_GT(half["decode"][1]["tok_s"].get<double>(), 0);
   }
   const std::string bad = std::string(DSV3_BINARY) + " bench --device gpu --model x > /dev/null 2> " + err;
   EXPECT_NE(std::system(bad.c_str()), 0);

@@ -96,8 +96,11 @@ WeightPlacement Backend::prepare_weights(const ModelArgs&, ModelWeights& w, cons
   return place_host_weights(w, in_place, nullptr);
 }
 
+// (Host staging kept per thread and reused: the logits' gather runs every step, and fresh buffers of
+// its size cost page faults each time.)
 void Backend::all_reduce(Comm& comm, float* x, int64_t n) {
-  std::vector<float> h(static_cast<size_t>(n));
+  thread_local std::vector<float> h;
+  h.resize(static_cast<size_t>(n));
   download(h.data(), x, h.size());
   comm.all_reduce_sum(h.data(), n);
   upload(x, h.data(), h.size());
@@ -105,10 +108,12 @@ void Backend::all_reduce(Comm& comm, float* x, int64_t n) {
 
 void Backend::all_gather(Comm& comm, const float* x, int64_t rows, int64_t d, float* y) {
   const int64_t P = comm.size();
-  std::vector<float> mine(static_cast<size_t>(rows * d)), all(static_cast<size_t>(P * rows * d)),
-      out(static_cast<size_t>(P * rows * d));
+  thread_local std::vector<float> mine, all, out;
+  mine.resize(static_cast<size_t>(rows * d)), all.resize(static_cast<size_t>(P * rows * d));
   download(mine.data(), x, mine.size());
   comm.all_gather(mine.data(), rows * d, all.data());
+  if (rows == 1) return upload(y, all.data(), all.size());  // [P, 1, d] is [1, P * d]
+  out.resize(all.size());
   for (int64_t p = 0; p < P; ++p)  // [P, rows, d] -> [rows, P * d]
     for (int64_t r = 0; r < rows; ++r)
       std::copy_n(&all[size_t((p * rows + r) * d)], d, &out[size_t(r * P * d + p * d)]);

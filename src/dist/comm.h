@@ -25,10 +25,18 @@ class Comm {
   virtual void broadcast(void* data, size_t bytes, int root, bool wait = false) = 0;
   // Whether every rank's `ok` is true (a start-up check that one rank may fail alone).
   virtual bool all_ok(bool ok) = 0;
+  // A stand-in world (dsv3 bench --tp-shard): this process is rank 0 of size() ranks that do not
+  // run. Its collectives move nothing: all_reduce_sum keeps this rank's part, all_gather puts it in
+  // every rank's slot, broadcast keeps the data; a device backend does the same on its own memory.
+  virtual bool stand_in() const { return false; }
 };
 
 // World size 1: every collective is the identity.
 std::unique_ptr<Comm> make_single_comm();
+
+// Rank 0 of a stand-in world of `size` ranks (see Comm::stand_in): one rank's share of the work of
+// a model spread over `size` ranks, measured on one device.
+std::unique_ptr<Comm> make_stand_in_comm(int size);
 
 // The process's world: the MPI world when this process was started by mpirun (and the build has
 // MPI), else world size 1. Created on first use; lives until exit. `timeout_s`: how long an

@@ -13,10 +13,19 @@ BenchSource bench_source(const Args& args, bool gpu) {
   if ((args.has("dtype") || args.has("layers") || args.has("vocab")) && !args.has("synthetic"))
     fail("--dtype, --layers and --vocab go with --synthetic (a checkpoint has its own)");
   BenchSource src;
+  const long tp = args.get_int("tp-shard", 1);
+  if (tp < 1 || tp > 1024) fail("--tp-shard must be in [1, 1024], got ", tp);
+  src.tp_shard = int(tp);
+  auto shard_note = [&] {
+    if (tp == 1) return;
+    check_shardable(src.args, src.tp_shard);
+    src.what += str(" (rank 0 of ", tp, ", the others stood in for)");
+  };
   if (args.has("model")) {
-    src.ck = Checkpoint::open(args.get("model"), args.get("config"));
+    src.ck = Checkpoint::open(args.get("model"), args.get("config"), 0, src.tp_shard);
     src.args = load_model_args(*src.ck);
     src.what = args.get("model");
+    shard_note();
     return src;
   }
   if (!gpu) fail("--synthetic makes its weights on the GPU: give --device cuda (or a checkpoint from dsv3 synth)");
@@ -27,16 +36,22 @@ BenchSource bench_source(const Args& args, bool gpu) {
     src.args.vocab_size = int(v);
   }
   src.what = "synthetic " + args.get("synthetic");
+  shard_note();
   return src;
 }
 
 std::unique_ptr<Model> bench_model(BenchSource& src, const std::string& backend, const ModelOptions& opt,
                                    uint64_t seed) {
-  if (src.ck) return std::make_unique<Model>(std::move(src.ck), make_backend(backend), opt);
+  ModelOptions o = opt;
+  if (src.tp_shard > 1) {
+    src.comm = make_stand_in_comm(src.tp_shard);
+    o.comm = src.comm.get();
+  }
+  if (src.ck) return std::make_unique<Model>(std::move(src.ck), make_backend(backend), o);
 #ifdef DSV3_HAVE_CUDA
   auto be = make_backend("cuda");
-  ModelWeights w = cuda::random_weights(*be, src.args, seed);
-  return std::make_unique<Model>(src.args, std::move(w), std::move(be), opt);
+  ModelWeights w = cuda::random_weights(*be, src.args, seed, {0, src.tp_shard});
+  return std::make_unique<Model>(src.args, std::move(w), std::move(be), o);
 #else
   fail("--synthetic needs the CUDA backend, which this build does not have");
 #endif

@@ -4,6 +4,7 @@
 #include <memory>
 #include <string>
 
+#include "dist/comm.h"
 #include "io/checkpoint.h"
 #include "runtime/model.h"
 #include "tools/command.h"
@@ -14,6 +15,11 @@ struct BenchSource {
   std::unique_ptr<Checkpoint> ck;  // null: synthetic
   ModelArgs args;
   std::string what;                // for the report: the folder, or "synthetic SHAPE"
+  // --tp-shard N: rank 0's share of the model spread over N ranks (its heads, vocabulary rows,
+  // dense and shared-expert slices, experts [0, E / N)), the other ranks stood in for: the
+  // collectives move nothing (dist/comm.h make_stand_in_comm), so times leave out the interconnect.
+  int tp_shard = 1;
+  std::unique_ptr<Comm> comm;  // the stand-in world (tp_shard > 1)
 };
 // The options' model, checked: exactly one of --model and --synthetic, the synthetic options only
 // with --synthetic, --synthetic only on the GPU (gpu).

@@ -126,7 +126,7 @@ int run_bench(int argc, char** argv) {
   Args args(argc, argv,
             {"model", "config", "backend", "device", "batch", "prompt", "gen", "threads", "decode-ctx", "kv-cache-gb", "bw-gb",
              "seed", "attn", "synthetic", "dtype", "layers", "vocab", "concurrency", "input-len", "output-len", "requests",
-             "request-rate", "max-step-tokens", "shared-prefix", "prefix-cache", "weight-memory"},
+             "request-rate", "max-step-tokens", "shared-prefix", "prefix-cache", "weight-memory", "tp-shard"},
             {"json", "mlock"});
   if (launched_by_mpi()) fail("dsv3 bench measures one process; run it without mpirun");
   if (args.has("concurrency")) return run_serving_bench(args);
@@ -261,7 +261,9 @@ int run_bench(int argc, char** argv) {
   model.forward(ptoks.data(), 1, int(prompt), 0, logits.data());
   model.reset_rows();
   const double ttft = now() - t0, prefill_share = (process_cpu_seconds() - c0) / (ttft * pool.size());
-  const double pflops = prefill_flops(a, prompt);
+  // (one rank of N: the whole model's FLOPs / N, as every linear but the gate and the low-rank
+  // projections is split)
+  const double pflops = prefill_flops(a, prompt) / src.tp_shard;
   std::fprintf(out, "prefill: %ld tokens in %.2f s = %.1f tok/s (time to first token %.2f s); %.1f GFLOP/s = %.0f%% of the matrix peak",
                prompt, ttft, double(prompt) / ttft, ttft, pflops / ttft / 1e9, 100 * pflops / ttft / peak);
   if (split > 1) std::fprintf(out, " (%.0f%% of the hi+lo useful peak %.1f GFLOP/s)", 100 * pflops / ttft / (peak / split), peak / split / 1e9);
@@ -365,6 +367,7 @@ int run_bench(int argc, char** argv) {
     nlohmann::json j = {{"model", what},
                         {"backend", backend},
                         {"device", gpu ? "cuda" : "cpu"},
+                        {"tp_shard", src.tp_shard},
                         {"isa", backend == "cpu" ? cpu::isa_name(isa) : "n/a"},
                         {"machine", cpu_model_name()},
                         {"threads", pool.size()},
@@ -401,9 +404,11 @@ int run_bench(int argc, char** argv) {
 
 DSV3_COMMAND(bench,
              "(--model DIR | --synthetic SHAPE [--dtype bf16|fp8] [--layers N] [--vocab V]) [--backend cpu|ref] [--device cpu|cuda] "
-             "[--batch 1,8,32] [--prompt 512] [--gen 32] [--decode-ctx 64] [--threads N] [--kv-cache-gb G] [--weight-memory auto|map|copy] [--mlock] [--json]: "
+             "[--batch 1,8,32] [--prompt 512] [--gen 32] [--decode-ctx 64] [--threads N] [--kv-cache-gb G] [--weight-memory auto|map|copy] [--mlock] "
+             "[--tp-shard N] [--json]: "
              "prefill and decode speed (decode as generate runs it) beside the measured bandwidth and matrix floors; "
-             "--synthetic: random weights of that shape made on the GPU (--device cuda)",
+             "--synthetic: random weights of that shape made on the GPU (--device cuda); --tp-shard N: rank 0's share of "
+             "the model spread over N ranks, measured alone (collectives move nothing: the interconnect's time is left out)",
              run_bench);
 
 }  // namespace dsv3

@@ -79,7 +79,7 @@ class CudaBackend final : public Backend {
   void download(float* host, const float* src, size_t n) override;
   WeightPlacement prepare_weights(const ModelArgs& args, ModelWeights& w, const WeightMemory& m = {}) override;
   int64_t device_free_bytes() const override;
-  ModelWeights random_weights(const ModelArgs& a, uint64_t seed);
+  ModelWeights random_weights(const ModelArgs& a, uint64_t seed, const Shard& shard);
   int64_t routed_experts_run() const override;
   void reset_counters() override;
   std::string profile_report(bool reset);
@@ -93,11 +93,11 @@ class CudaBackend final : public Backend {
   void rmsnorm(const float* x, int64_t n, int64_t d, int64_t stride, const TensorView& w, float eps,
                float* y) override;
   void add(float* y, const float* x, int64_t n) override;
-#ifdef DSV3_HAVE_NCCL
-  // Collectives through NCCL on the backend's stream (recordable in a step's CUDA graph).
+  // Collectives through NCCL on the backend's stream (recordable in a step's CUDA graph); a
+  // stand-in world's (Comm::stand_in) as device copies that keep this rank's part.
   void all_reduce(Comm& comm, float* x, int64_t n) override;
   void all_gather(Comm& comm, const float* x, int64_t rows, int64_t d, float* y) override;
-#endif
+  bool stand_in_gather(Comm& comm, const float* x, int64_t rows, int64_t d, float* y);
   void gather_layout(const float* parts, int64_t P, int64_t rows, int64_t d, float* y);  // (test hook)
   int64_t graphs_recorded() const;
 
@@ -128,6 +128,14 @@ class CudaBackend final : public Backend {
   bool pair_ok(const DevLinear& w1, const DevLinear& w2, const float* x, int64_t n) const;
   void linear_pair(const Op& a, const Op& b, const StepGraph& g);
   bool use_tc(int64_t n) const { return n >= opt_.tune.tc_min; }
+  // Fewer tokens than tc_min (2 or more) that would go to the tensor-core GEMV (n <= tcv_max) but
+  // whose K it cannot stage (tune.tc_long_k).
+  bool long_k(int64_t n, int32_t wtype, int64_t K) const {
+    return n >= 2 && n < opt_.tune.tc_min && n <= opt_.tune.tcv_max && opt_.tune.tc_long_k &&
+           !cuda::tcv_holds(wtype, K, n);
+  }
+  // The pipelined GEMM for n tokens of w: use_tc, or long_k.
+  bool tc_for(int64_t n, const DevLinear& w) const { return tc_takes(w) && (use_tc(n) || long_k(n, w.t, w.cols)); }
   bool tc_pair_ok(const DevLinear& w, const DevLinear& w2, int64_t n) const;
   int tile_m(int32_t wtype) const;
   void set_form(cuda::TcJob& j, bool k64, int32_t wtype) const;

@@ -271,10 +271,12 @@ WeightPlacement CudaBackend::prepare_weights(const ModelArgs& args, ModelWeights
   return p;
 }
 
-ModelWeights CudaBackend::random_weights(const ModelArgs& a, uint64_t seed) {
+ModelWeights CudaBackend::random_weights(const ModelArgs& a, uint64_t seed, const Shard& shard) {
   on_device();
+  check_shardable(a, shard.size);
   ModelWeights w;
   std::vector<WeightSpec> specs = weight_manifest(a, &w);
+  w.vocab0 = shard_vocab0(a, shard);
   const bool fp8 = a.dtype == "fp8";
   uint64_t k = 0;
   auto make = [&](TensorView& t, DType dt, std::vector<int64_t> shape, float amp, bool constant) {
@@ -286,21 +288,23 @@ ModelWeights CudaBackend::random_weights(const ModelArgs& a, uint64_t seed) {
   };
   for (const WeightSpec& s : specs) {
     if (s.kind == WeightKind::kBias) continue;  // optional; the random shapes route without it
+    std::vector<int64_t> shape;
+    if (!shard_shape(s, a, shard, &shape)) continue;  // another rank's expert
     if (s.kind == WeightKind::kLinear) {
-      const int64_t out = s.shape[0], in = s.shape[1];
-      const float amp = std::sqrt(3.f / float(in));
+      const int64_t out = shape[0], in = shape[1];
+      const float amp = std::sqrt(3.f / float(s.shape[1]));  // (the whole K: a row-parallel part sums with the others)
       if (fp8 && s.name != "head") {
-        make(s.linear->weight, DType::F8_E4M3, s.shape, 1.f, false);
+        make(s.linear->weight, DType::F8_E4M3, shape, 1.f, false);
         make(s.linear->scale, DType::F32, {(out + 127) / 128, (in + 127) / 128}, amp, true);
       } else {
-        make(s.linear->weight, DType::BF16, s.shape, amp, false);
+        make(s.linear->weight, DType::BF16, shape, amp, false);
       }
     } else if (s.kind == WeightKind::kNorm) {
-      make(*s.tensor, DType::F32, s.shape, 1.f, true);
+      make(*s.tensor, DType::F32, shape, 1.f, true);
     } else if (s.kind == WeightKind::kEmbed) {
-      make(*s.tensor, DType::BF16, s.shape, 1.f, false);
+      make(*s.tensor, DType::BF16, shape, 1.f, false);
     } else {  // gate
-      make(*s.tensor, DType::BF16, s.shape, std::sqrt(3.f / float(s.shape[1])), false);
+      make(*s.tensor, DType::BF16, shape, std::sqrt(3.f / float(shape[1])), false);
     }
   }
   sync();
@@ -491,8 +495,21 @@ void CudaBackend::add(float* y, const float* x, int64_t n) { cuda::add(L_, y, x,
 
 // ---- collectives
 
+// A stand-in world (Comm::stand_in: one rank's share measured alone) moves nothing: all_reduce
+// keeps this rank's part, all_gather copies it into every rank's columns, both on the stream.
+bool CudaBackend::stand_in_gather(Comm& comm, const float* x, int64_t rows, int64_t d, float* y) {
+  if (!comm.stand_in()) return false;
+  const int64_t P = comm.size();
+  for (int64_t p = 0; p < P; ++p)
+    if (y + p * d != x)
+      CK(cudaMemcpy2DAsync(y + p * d, size_t(P * d) * 4, x, size_t(d) * 4, size_t(d) * 4, size_t(rows),
+                           cudaMemcpyDeviceToDevice, stream_));
+  return true;
+}
+
 #ifdef DSV3_HAVE_NCCL
 void CudaBackend::all_reduce(Comm& comm, float* x, int64_t n) {
+  if (comm.stand_in()) return;
   if (!nccl_) nccl_ = std::make_unique<cuda::NcclComms>(comm_timeout_s());
   if (!nccl_->has(comm)) no_capture("NCCL communicator set-up");  // (a step's first run is never recorded)
   nccl_->all_reduce(comm, x, n, stream_);
@@ -501,6 +518,7 @@ void CudaBackend::all_reduce(Comm& comm, float* x, int64_t n) {
 // NCCL gathers [parts, rows * d]; the op's y is [rows, parts * d]: one token's rows land in place,
 // more go through scratch and a strided copy per rank.
 void CudaBackend::all_gather(Comm& comm, const float* x, int64_t rows, int64_t d, float* y) {
+  if (stand_in_gather(comm, x, rows, d, y)) return;
   if (!nccl_) nccl_ = std::make_unique<cuda::NcclComms>(comm_timeout_s());
   if (!nccl_->has(comm)) no_capture("NCCL communicator set-up");
   const int64_t P = comm.size();
@@ -519,6 +537,14 @@ void CudaBackend::wait_collectives() const {
   if (nccl_ && !nccl_->empty()) nccl_->wait(stream_, "a step's collectives");
 }
 #else
+void CudaBackend::all_reduce(Comm& comm, float* x, int64_t n) {
+  if (!comm.stand_in()) Backend::all_reduce(comm, x, n);
+}
+
+void CudaBackend::all_gather(Comm& comm, const float* x, int64_t rows, int64_t d, float* y) {
+  if (!stand_in_gather(comm, x, rows, d, y)) Backend::all_gather(comm, x, rows, d, y);
+}
+
 void CudaBackend::wait_collectives() const {}
 
 void CudaBackend::gather_layout(const float*, int64_t, int64_t, int64_t, float*) {
@@ -654,7 +680,9 @@ bool device_available(std::string* why) {
   return true;
 }
 
-ModelWeights random_weights(Backend& b, const ModelArgs& a, uint64_t seed) { return as_cuda(b).random_weights(a, seed); }
+ModelWeights random_weights(Backend& b, const ModelArgs& a, uint64_t seed, const Shard& shard) {
+  return as_cuda(b).random_weights(a, seed, shard);
+}
 
 std::string profile_report(Backend& b, bool reset) { return as_cuda(b).profile_report(reset); }
 

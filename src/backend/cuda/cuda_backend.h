@@ -27,6 +27,8 @@ struct CudaOptions {
     int fast_min = 64;     // fast mode only for steps of at least this many tokens
     int tcv_max = 8;       // GEMVs of up to this many tokens on tensor cores where the weights fit (kernels_tcgemv.cu)
     int tcv_bf16_min = 2;  // ... for bf16 weights from this many tokens (one token streams bf16 faster on the FMA GEMV)
+    bool tc_long_k = true;  // 2 to 8 tokens of a product whose rows the tensor-core GEMV cannot hold (tcv_holds) on
+                            // the pipelined GEMM, not the FMA GEMV (671B shape, FP8, 8 tokens: 546 -> 766 tok/s, H100)
     int tc_tm = 0;         // rows per tile of the pipelined kernel: 64, 128, or 0: 128 for e4m3 weights, 64 for bf16
     int tc_swap = 1;       // MoE prefill stages with weight rows as the wgmma's M: 0 never, 1 for e4m3 weights and in
                            // fast mode, 2 always
@@ -51,7 +53,8 @@ bool device_available(std::string* why = nullptr);
 // Weights for `a` created directly in `cuda_backend`'s device memory (owned by it): linears in
 // a.dtype ("bf16" or "fp8" e4m3 with 128x128 scales; the head stays bf16), embedding and gate
 // bf16, norms 1. Pseudo-random (seeded), scaled so activations stay O(1). For benchmarks.
-ModelWeights random_weights(Backend& cuda_backend, const ModelArgs& a, uint64_t seed);
+// shard: one rank's slices of a model spread over shard.size ranks (its routed experts only).
+ModelWeights random_weights(Backend& cuda_backend, const ModelArgs& a, uint64_t seed, const Shard& shard = {});
 
 // The device router on logits [n, E] already in device memory: expert indices and weights
 // [n, K] to the host, in the order of model/gate.cc's route_token. For tests.

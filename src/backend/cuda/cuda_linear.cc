@@ -21,7 +21,7 @@ void CudaBackend::linear(const float* x, int64_t n, const Linear& w, float* y) {
 // y[n, out] = x[n, in] · Wᵀ.
 void CudaBackend::run_linear(const DevLinear& w, const float* x, int64_t n, float* y, int64_t ldy, bool exact) {
   const bool fast = fast_at(n) && !exact;
-  if (use_tc(n) && tc_takes(w)) {
+  if (tc_for(n, w)) {
     tc_linear(split_input(x, n, w.cols, fast), w, n, y, ldy);
   } else if (n <= opt_.tune.gemv_max || w.t == cuda::kF32 || !cuda::gemm_ok(w)) {
     cuda::gemv(L_, w, nullptr, {.x = x, .ldx = w.cols, .m = n, .y = y, .ldy = ldy});
@@ -46,7 +46,7 @@ void CudaBackend::tc_linear(cuda::TcJob j, const DevLinear& w, int64_t n, float*
 // Two products of x [n, in] in one launch: the pipelined kernel's pair where both weights suit it
 // (prefill), else the streaming gemv2 (decode, n <= 8).
 bool CudaBackend::pair_ok(const DevLinear& w1, const DevLinear& w2, const float* x, int64_t n) const {
-  const bool first = (use_tc(n) && tc_takes(w1)) || n <= std::min(opt_.tune.gemv_max, 8);
+  const bool first = tc_for(n, w1) || n <= std::min(opt_.tune.gemv_max, 8);
   return first && (tc_pair_ok(w1, w2, n) || cuda::gemv2_ok(w1, w2, x, n));
 }
 
@@ -72,7 +72,7 @@ void CudaBackend::linear_pair(const Op& a, const Op& b, const StepGraph& g) {
 // Whether two linears of the same n activations run as one pipelined-kernel launch (w's row
 // tiles, then w2's): both taken there with the same K and weight type.
 bool CudaBackend::tc_pair_ok(const DevLinear& w, const DevLinear& w2, int64_t n) const {
-  return use_tc(n) && tc_takes(w) && tc_takes(w2) && w.cols == w2.cols && w.t == w2.t;
+  return tc_for(n, w) && tc_for(n, w2) && w.cols == w2.cols && w.t == w2.t;
 }
 
 // Tile rows for weights of type wtype: as asked, else 128 for e4m3 (the wgmma form's two
@@ -112,7 +112,10 @@ void CudaBackend::mlp(const MLPWeights& w, const float* x, int64_t n, float* y) 
   const DevLinear w1 = dev_linear(w.w1), w3 = dev_linear(w.w3), w2 = dev_linear(w.w2);
   const int64_t inter = w1.rows, D = w2.rows;
   mark("mlp");
-  if (use_tc(n) && tc_takes(w1) && tc_takes(w3) && tc_takes(w2)) {
+  // Both stages on the pipelined GEMM from tc_min tokens, or where the first stage's K is too long
+  // for the tensor-core GEMV; when only the second's is (its K is the inter dim), that one alone.
+  const bool all_tc = tc_takes(w1) && tc_takes(w3) && tc_takes(w2);
+  if (all_tc && (use_tc(n) || long_k(n, w1.t, w1.cols))) {
     cuda::TcJob j0 = split_input(x, n, D, fast_at(n));
     j0.w = w1, j0.w3 = w3, j0.swiglu = true, j0.M = n;
     j0.o_hi = scratch(kHi2, size_t(n * inter) * 2);
@@ -129,7 +132,8 @@ void CudaBackend::mlp(const MLPWeights& w, const float* x, int64_t n, float* y) 
   if (n <= opt_.tune.gemv_max || !cuda::gemm_ok(w1) || !cuda::gemm_ok(w2)) {
     float* h = f32(kH, size_t(n * inter));
     cuda::gemv(L_, w1, &w3, {.x = x, .ldx = w1.cols, .m = n, .y = h, .ldy = inter});
-    cuda::gemv(L_, w2, nullptr, {.x = h, .ldx = inter, .m = n, .y = y, .ldy = D});
+    if (tc_for(n, w2)) tc_linear(split_input(h, n, inter, fast_at(n)), w2, n, y, D);
+    else cuda::gemv(L_, w2, nullptr, {.x = h, .ldx = inter, .m = n, .y = y, .ldy = D});
     return;
   }
   float* h = f32(kH, size_t(n * 2 * inter));  // [n, w1 x | w3 x]

@@ -46,7 +46,7 @@ void CudaBackend::moe_op(const ModelArgs& a, const MoEWeights& w, const float* x
   float* logits = f32(kLogits, size_t(n * E));
   cuda::MoeSched s = sched(n, E, K, T.S);
   if (T.partial) s.local0 = T.local0, s.local1 = T.local1;
-  const bool tc = use_tc(n) && T.tc;
+  const bool tc = T.tc && (use_tc(n) || long_k(n, T.wtype, a.dim) || long_k(n, T.wtype, T.rows13));
   const bool swap = tc && moe_swap(T, n);
   if (tc) s.tile_rows = swap ? 128 : tile_m(T.wtype);
   const cuda::RouteArgs r = route_args(a);

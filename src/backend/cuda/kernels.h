@@ -148,6 +148,9 @@ void gemv2(const Launch& L, const DevLinear& w, float* y, const DevLinear& w2, f
 // a multiple of 64 / 128 (e4m3:
 // columns and row tiles on scale blocks), unaligned activations, or too little shared memory.
 bool tcv_ok(const DevLinear& w);
+// Whether their shared memory holds m activation rows of K columns for weights of type wtype (the
+// 671B shape's 7168-column products from 7 tokens, its 16384 and 18432 from 3 and 4, do not fit).
+bool tcv_holds(int32_t wtype, int64_t K, int64_t m);
 bool tcv_gemv(const Launch& L, const DevLinear& w, const DevLinear* w3, const ProductRows& io);
 bool tcv_gemv2(const Launch& L, const DevLinear& w, float* y, const DevLinear& w2, float* y2, const float* x,
                int64_t m);

@@ -566,6 +566,10 @@ static bool tcv_fits(const Launch& L, const DevLinear& w, int64_t m) {
          smem_bytes(w.t, w.cols, int(m), 8, true) <= kMaxSmem;
 }
 
+bool tcv_holds(int32_t wtype, int64_t K, int64_t m) {
+  return m >= 1 && m <= 8 && smem_bytes(wtype, K, int(m), kKsMax, true) <= kMaxSmem;
+}
+
 bool tcv_gemv(const Launch& L, const DevLinear& w, const DevLinear* w3, const ProductRows& io) {
   const int batch = io.batch;
   const GemvShift shift = io.shift;
