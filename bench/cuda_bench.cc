@@ -234,10 +234,12 @@ int main(int argc, char** argv) {
           {"no-linear-pair", kRewritesAll & ~(kRewriteLinearPair | kRewriteCombineIntoPair)}};
       for (auto [name, rw] : unfused)
         if (asked(name)) vars.push_back({name, base, true, true, false, rw});
-      if (asked("no-long-k")) {  // 2-8 tokens of rows too long for the tensor-core GEMV on the FMA GEMV
+      for (int p : {0, 1, 2}) {  // 2-8 tokens of rows too long for the tensor-core GEMV: FMA GEMV, pipelined GEMM, chunks
+        const std::string name = "long-k-" + std::to_string(p);
+        if (!asked(name)) continue;
         CudaOptions o = base;
-        o.tune.tc_long_k = false;
-        vars.push_back({"no-long-k", o, true, false});
+        o.tune.long_k = p;
+        vars.push_back({name, o, true, false});
       }
       if (asked("gate-route")) {  // one token routed by the gate kernel's last block, not the experts'
         CudaOptions o = base;

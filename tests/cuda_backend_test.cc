@@ -339,22 +339,32 @@ TEST(CudaOps, StandInWorldKeepsThisRanksPart) {
 }
 
 // 2 to 8 tokens of products with rows too long for the tensor-core GEMV's shared memory (the 671B
-// shape's 7168, 16384 and 18432 columns): on the pipelined GEMM by default (tc_long_k), on the FMA
-// GEMV with it off; a linear, and the dense MLP whose second stage alone is too long. Against the
-// ref backend, each at its path's bar.
+// shape's 7168, 16384 and 18432 columns), on each of tune.long_k's paths: the tensor-core GEMV in K
+// chunks (the default), the pipelined GEMM, the FMA GEMV; a linear (4096 columns: too long only for
+// 8 tokens of bf16), and the dense MLP whose second stage alone is too long. Against the ref
+// backend, each at its path's bar.
 TEST(CudaOps, FewTokensOfLongRowsMatchRef) {
   REQUIRE_GPU();
   auto ref = make_ref_backend();
-  const std::vector<LinCase> cases = {{3, 256, 18432}, {8, 200, 7168}, {4, 130, 16384}, {2, 128, 7168}};
-  for (bool long_k : {true, false}) {
+  const std::vector<LinCase> cases = {{3, 256, 18432}, {8, 200, 7168}, {4, 130, 16384}, {2, 128, 7168}, {8, 96, 4096}};
+  for (int long_k : {2, 1, 0}) {
     CudaOptions o;
-    o.tune.tc_long_k = long_k;
+    o.tune.long_k = long_k;
     auto cuda = make_cuda_backend(o);
     for (DType t : {DType::BF16, DType::F8_E4M3}) {
       const int32_t wt = t == DType::BF16 ? cuda::kBF16 : cuda::kFP8;
       for (const LinCase& c : cases) {
-        const bool gemm = long_k && !cuda::tcv_holds(wt, c.in, c.n);
-        if (c.in != 7168 || c.n != 2) EXPECT_FALSE(cuda::tcv_holds(wt, c.in, c.n)) << c.in << " n=" << c.n;
+        const bool gemm = long_k == 1 && !cuda::tcv_holds(wt, c.in, c.n);
+        if (!cuda::tcv_holds(wt, c.in, c.n)) {  // the chunks: equal, on the iteration, each held
+          const int64_t kc = cuda::tcv_chunk(wt, c.in, c.n);
+          EXPECT_GT(kc, 0) << c.in << " n=" << c.n;
+          EXPECT_EQ(kc % (wt == cuda::kFP8 ? 128 : 64), 0) << kc;
+          EXPECT_TRUE(cuda::tcv_holds(wt, kc, c.n)) << kc;
+          EXPECT_LT(kc, c.in);
+        } else {
+          EXPECT_EQ(cuda::tcv_chunk(wt, c.in, c.n), c.in);
+        }
+        if (c.in >= 16384) EXPECT_FALSE(cuda::tcv_holds(wt, c.in, c.n)) << c.in << " n=" << c.n;
         HostLinear h = make_linear(t, c.out, c.in, uint32_t(c.n * 1000 + c.out));
         Linear dl = to_device(*cuda, h.lin);
         std::vector<float> x = randn(size_t(c.n * c.in), uint32_t(c.in + 11)), want(size_t(c.n * c.out));
@@ -373,7 +383,7 @@ TEST(CudaOps, FewTokensOfLongRowsMatchRef) {
       MLPWeights hw{keep[0].lin, keep[1].lin, keep[2].lin};
       MLPWeights dw{to_device(*cuda, hw.w1), to_device(*cuda, hw.w2), to_device(*cuda, hw.w3)};
       for (int64_t n : {2, 4, 8}) {
-        const bool gemm = long_k && !cuda::tcv_holds(wt, I, n);
+        const bool gemm = long_k == 1 && !cuda::tcv_holds(wt, I, n);
         std::vector<float> x = randn(size_t(n * D), uint32_t(n + 99)), want(x.size());
         ref->mlp(hw, x.data(), n, want.data());
         Dev xd(*cuda, x), yd(*cuda, x.size());
@@ -803,8 +813,8 @@ TEST(CudaOps, MoeDecodePathsMatchRef) {
   struct Shape {
     int64_t dim, inter, E, K, S;
   };
-  // (dim 7168, the 671B shape's: from 7 tokens the first stage's rows do not fit the tensor-core
-  // GEMV, and the stages go to the pipelined GEMM unless tc_long_k is off)
+  // (dim 7168, the 671B shape's: from 7 tokens of e4m3 (4 of bf16) the first stage's rows do not fit
+  // the tensor-core GEMV whole: it takes them in K chunks, or the pipelined GEMM takes both stages)
   for (Shape sh : {Shape{256, 128, 8, 2, 2}, Shape{2048, 1408, 4, 2, 1}, Shape{4096, 384, 4, 2, 2},
                    Shape{7168, 256, 4, 2, 1}}) {
     ModelArgs a;
@@ -830,13 +840,14 @@ TEST(CudaOps, MoeDecodePathsMatchRef) {
       L.moe_w.gate = keep.back().lin.weight;
       // 0: default (tensor cores: e4m3, bf16 from 2 tokens), 1: bf16 at 1 too, 2: FMA only;
       // 3 and 4: 0 and 2 with one token routed by the gate kernel's last block, not the experts';
-      // 5: 0 with rows too long for the tensor-core GEMV on the FMA GEMV (tc_long_k off)
-      for (int path = 0; path < 6; ++path) {
+      // 5 and 6: 0 with rows too long for the tensor-core GEMV on the FMA GEMV (long_k 0) and on the
+      // pipelined GEMM (long_k 1) instead of in chunks
+      for (int path = 0; path < 7; ++path) {
         CudaOptions o = opts();
-        o.tune.tcv_bf16_min = path == 1 ? 1 : (path == 0 || path == 3 || path == 5 ? 2 : 0);
+        o.tune.tcv_bf16_min = path == 1 ? 1 : (path == 0 || path == 3 || path >= 5 ? 2 : 0);
         if (path == 2 || path == 4) o.tune.tcv_max = 0;
-        o.tune.route_in_experts = path < 3 || path == 5;
-        o.tune.tc_long_k = path != 5;
+        o.tune.route_in_experts = path < 3 || path >= 5;
+        o.tune.long_k = path == 5 ? 0 : path == 6 ? 1 : 2;
         auto cuda = make_cuda_backend(o);
         ModelWeights dev = host;
         cuda->prepare_weights(a, dev);
@@ -847,7 +858,7 @@ TEST(CudaOps, MoeDecodePathsMatchRef) {
           Dev xd(*cuda, x), yd(*cuda, x.size());
           cuda->moe(a, dev.layers[0].moe_w, xd.p, n, yd.p);
           // (the pipelined GEMM splits activations into bf16 hi + lo: its bar)
-          const bool gemm = o.tune.tc_long_k && o.tune.tcv_max >= n && n >= 2 &&
+          const bool gemm = o.tune.long_k == 1 && o.tune.tcv_max >= n && n >= 2 &&
                             !cuda::tcv_holds(t == DType::BF16 ? cuda::kBF16 : cuda::kFP8, D, n);
           EXPECT_LE(rel_l2(yd.get().data(), want.data(), want.size()), gemm ? 5e-5 : 5e-6)
               << dtype_name(t) << " dim " << D << " n=" << n << " path " << path;

@@ -62,7 +62,7 @@ int shared_slices(const ModelArgs& a, const MoEWeights& w);
 // Scratch buffers, one per use.
 enum Slot {
   kTok, kPos, kTable, kH, kS, kPart, kMl, kLat, kKvb, kLogits, kSched, kMoeH, kMoeO, kHi, kLo, kHi2, kLo2, kSplitK,
-  kCublasWs, kTopk, kGather, kComm,
+  kCublasWs, kTopk, kGather, kComm, kChunks,
   kNumSlots
 };
 
@@ -129,13 +129,16 @@ class CudaBackend final : public Backend {
   void linear_pair(const Op& a, const Op& b, const StepGraph& g);
   bool use_tc(int64_t n) const { return n >= opt_.tune.tc_min; }
   // Fewer tokens than tc_min (2 or more) that would go to the tensor-core GEMV (n <= tcv_max) but
-  // whose K it cannot stage (tune.tc_long_k).
-  bool long_k(int64_t n, int32_t wtype, int64_t K) const {
-    return n >= 2 && n < opt_.tune.tc_min && n <= opt_.tune.tcv_max && opt_.tune.tc_long_k &&
-           !cuda::tcv_holds(wtype, K, n);
+  // whose K it cannot stage: tune.long_k's path for them (0: none, the FMA GEMV).
+  int long_k(int64_t n, int32_t wtype, int64_t K) const {
+    const bool is = n >= 2 && n < opt_.tune.tc_min && n <= opt_.tune.tcv_max && !cuda::tcv_holds(wtype, K, n);
+    return is ? opt_.tune.long_k : 0;
   }
-  // The pipelined GEMM for n tokens of w: use_tc, or long_k.
-  bool tc_for(int64_t n, const DevLinear& w) const { return tc_takes(w) && (use_tc(n) || long_k(n, w.t, w.cols)); }
+  // The pipelined GEMM for n tokens of w: use_tc, or long_k's path 1.
+  bool tc_for(int64_t n, const DevLinear& w) const { return tc_takes(w) && (use_tc(n) || long_k(n, w.t, w.cols) == 1); }
+  // long_k's path 2: y [n, rows] = x · Wᵀ (w3: silu(x · Wᵀ) * (x · W3ᵀ)), x [n, w.cols], on the
+  // tensor-core GEMV in K chunks (cuda::tcv_chunk); false (nothing launched) where it does not apply.
+  bool tcv_chunked(const DevLinear& w, const DevLinear* w3, const float* x, int64_t n, float* y, int64_t ldy);
   bool tc_pair_ok(const DevLinear& w, const DevLinear& w2, int64_t n) const;
   int tile_m(int32_t wtype) const;
   void set_form(cuda::TcJob& j, bool k64, int32_t wtype) const;

@@ -27,8 +27,9 @@ struct CudaOptions {
     int fast_min = 64;     // fast mode only for steps of at least this many tokens
     int tcv_max = 8;       // GEMVs of up to this many tokens on tensor cores where the weights fit (kernels_tcgemv.cu)
     int tcv_bf16_min = 2;  // ... for bf16 weights from this many tokens (one token streams bf16 faster on the FMA GEMV)
-    bool tc_long_k = true;  // 2 to 8 tokens of a product whose rows the tensor-core GEMV cannot hold (tcv_holds) on
-                            // the pipelined GEMM, not the FMA GEMV (671B shape, FP8, 8 tokens: 546 -> 766 tok/s, H100)
+    int long_k = 2;        // 2 to 8 tokens of a product whose rows the tensor-core GEMV cannot stage (tcv_holds): 0 on the
+                           // FMA GEMV, 1 on the pipelined GEMM, 2 on the tensor-core GEMV in K chunks (tcv_chunk; the MoE
+                           // stages: as 1)
     int tc_tm = 0;         // rows per tile of the pipelined kernel: 64, 128, or 0: 128 for e4m3 weights, 64 for bf16
     int tc_swap = 1;       // MoE prefill stages with weight rows as the wgmma's M: 0 never, 1 for e4m3 weights and in
                            // fast mode, 2 always

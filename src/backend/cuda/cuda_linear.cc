@@ -21,6 +21,7 @@ void CudaBackend::linear(const float* x, int64_t n, const Linear& w, float* y) {
 // y[n, out] = x[n, in] · Wᵀ.
 void CudaBackend::run_linear(const DevLinear& w, const float* x, int64_t n, float* y, int64_t ldy, bool exact) {
   const bool fast = fast_at(n) && !exact;
+  if (long_k(n, w.t, w.cols) == 2 && tcv_chunked(w, nullptr, x, n, y, ldy)) return;
   if (tc_for(n, w)) {
     tc_linear(split_input(x, n, w.cols, fast), w, n, y, ldy);
   } else if (n <= opt_.tune.gemv_max || w.t == cuda::kF32 || !cuda::gemm_ok(w)) {
@@ -28,6 +29,19 @@ void CudaBackend::run_linear(const DevLinear& w, const float* x, int64_t n, floa
   } else {
     cuda::gemm(L_, w, nullptr, {.x = x, .ldx = w.cols, .m = n, .y = y, .ldy = ldy}, {.fast = fast});
   }
+}
+
+bool CudaBackend::tcv_chunked(const DevLinear& w, const DevLinear* w3, const float* x, int64_t n, float* y, int64_t ldy) {
+  const int64_t K = w.cols, kc = cuda::tcv_chunk(w.t, K, n);
+  if (kc == 0 || kc == K) return false;
+  const int nc = int((K + kc - 1) / kc), P = w3 ? 2 : 1;
+  const int64_t part = n * w.rows;  // one product of one chunk: [n, rows]
+  float* parts = f32(kChunks, size_t(nc * P) * size_t(part));
+  if (!cuda::tcv_gemv_chunks(L_, w, w3, {.x = x, .ldx = K, .m = n, .y = parts, .ldy = w.rows}, w3 ? parts + part : nullptr,
+                             kc, P * part))
+    return false;
+  cuda::chunk_sum(L_, parts, nc, n, w.rows, w3 != nullptr, y, ldy);
+  return true;
 }
 
 // y[n, out] = x · Wᵀ on the pipelined kernel, x already split into j's A operand.
@@ -47,6 +61,7 @@ void CudaBackend::tc_linear(cuda::TcJob j, const DevLinear& w, int64_t n, float*
 // (prefill), else the streaming gemv2 (decode, n <= 8).
 bool CudaBackend::pair_ok(const DevLinear& w1, const DevLinear& w2, const float* x, int64_t n) const {
   const bool first = tc_for(n, w1) || n <= std::min(opt_.tune.gemv_max, 8);
+  if (long_k(n, w1.t, w1.cols) == 2) return false;  // (each alone, in K chunks)
   return first && (tc_pair_ok(w1, w2, n) || cuda::gemv2_ok(w1, w2, x, n));
 }
 
@@ -115,7 +130,7 @@ void CudaBackend::mlp(const MLPWeights& w, const float* x, int64_t n, float* y) 
   // Both stages on the pipelined GEMM from tc_min tokens, or where the first stage's K is too long
   // for the tensor-core GEMV; when only the second's is (its K is the inter dim), that one alone.
   const bool all_tc = tc_takes(w1) && tc_takes(w3) && tc_takes(w2);
-  if (all_tc && (use_tc(n) || long_k(n, w1.t, w1.cols))) {
+  if (all_tc && (use_tc(n) || long_k(n, w1.t, w1.cols) == 1)) {
     cuda::TcJob j0 = split_input(x, n, D, fast_at(n));
     j0.w = w1, j0.w3 = w3, j0.swiglu = true, j0.M = n;
     j0.o_hi = scratch(kHi2, size_t(n * inter) * 2);
@@ -131,7 +146,9 @@ void CudaBackend::mlp(const MLPWeights& w, const float* x, int64_t n, float* y) 
   }
   if (n <= opt_.tune.gemv_max || !cuda::gemm_ok(w1) || !cuda::gemm_ok(w2)) {
     float* h = f32(kH, size_t(n * inter));
-    cuda::gemv(L_, w1, &w3, {.x = x, .ldx = w1.cols, .m = n, .y = h, .ldy = inter});
+    if (!(long_k(n, w1.t, w1.cols) == 2 && tcv_chunked(w1, &w3, x, n, h, inter)))
+      cuda::gemv(L_, w1, &w3, {.x = x, .ldx = w1.cols, .m = n, .y = h, .ldy = inter});
+    if (long_k(n, w2.t, w2.cols) == 2 && tcv_chunked(w2, nullptr, h, n, y, D)) return;
     if (tc_for(n, w2)) tc_linear(split_input(h, n, inter, fast_at(n)), w2, n, y, D);
     else cuda::gemv(L_, w2, nullptr, {.x = h, .ldx = inter, .m = n, .y = y, .ldy = D});
     return;

@@ -46,7 +46,10 @@ void CudaBackend::moe_op(const ModelArgs& a, const MoEWeights& w, const float* x
   float* logits = f32(kLogits, size_t(n * E));
   cuda::MoeSched s = sched(n, E, K, T.S);
   if (T.partial) s.local0 = T.local0, s.local1 = T.local1;
-  const bool tc = T.tc && (use_tc(n) || long_k(n, T.wtype, a.dim) || long_k(n, T.wtype, T.rows13));
+  // Rows too long for the tensor-core GEMV (tune.long_k): stage 0 (K = dim) in chunks (path 2) or
+  // both stages on the pipelined GEMM (path 1, and path 2 where stage 1's K, the inter dim, is long).
+  const int long_d = long_k(n, T.wtype, a.dim), long_i = long_k(n, T.wtype, T.rows13);
+  const bool tc = T.tc && (use_tc(n) || long_d == 1 || long_i != 0);
   const bool swap = tc && moe_swap(T, n);
   if (tc) s.tile_rows = swap ? 128 : tile_m(T.wtype);
   const cuda::RouteArgs r = route_args(a);
@@ -95,7 +98,8 @@ void CudaBackend::moe_op(const ModelArgs& a, const MoEWeights& w, const float* x
   } else if (gemvs) {
     // GEMVs: on tensor cores where they take the experts (tcv_moe), else the FMA kernels.
     float* h = f32(kMoeH, size_t(P * T.rows13));
-    const cuda::MoeStage s0{0, T.dev, T.rows13, T.wtype, x, D, h, T.rows13};
+    cuda::MoeStage s0{0, T.dev, T.rows13, T.wtype, x, D, h, T.rows13};
+    if (long_d == 2) s0.parts = f32(kChunks, size_t(cuda::moe_chunk_floats(T.wtype, D, n, P, T.rows13)));
     const cuda::MoeStage s1{1, T.dev, T.rows2, T.wtype, h, T.rows13, o, D};
     if (!(T.tcv && cuda::tcv_moe(L_, s0, s))) cuda::moe_gemv(L_, s0, s);
     if (!(T.tcv && cuda::tcv_moe(L_, s1, s))) cuda::moe_gemv(L_, s1, s);

@@ -151,9 +151,21 @@ bool tcv_ok(const DevLinear& w);
 // Whether their shared memory holds m activation rows of K columns for weights of type wtype (the
 // 671B shape's 7168-column products from 7 tokens, its 16384 and 18432 from 3 and 4, do not fit).
 bool tcv_holds(int32_t wtype, int64_t K, int64_t m);
+// K cut into equal chunks (a multiple of the iteration each) for K too long: K where it holds
+// them whole, else the chunk for two blocks per multiprocessor; 0 where there is none.
+int64_t tcv_chunk(int32_t wtype, int64_t K, int64_t m);
+// Partial products over K in chunks of kc, every chunk's blocks in one launch: chunk c's of x · w
+// at io.y + c * chunk_y ([m, w.rows], io.ldy = w.rows), and with w2 (same K and type) x · w2's at
+// y2 + c * chunk_y. One row block (io.batch 1, no shift); false (nothing launched) where the
+// tensor-core GEMV does not take a chunk.
+bool tcv_gemv_chunks(const Launch& L, const DevLinear& w, const DevLinear* w2, const ProductRows& io, float* y2,
+                     int64_t kc, int64_t chunk_y);
+// y[t * ldy + r] = the sum over chunks c < nc (in order) of part[(c * P * m + t) * rows + r], P = 1;
+// swiglu (P = 2: each chunk's second product follows its first): silu(first sum) * second sum.
+void chunk_sum(const Launch& L, const float* part, int nc, int64_t m, int64_t rows, bool swiglu, float* y, int64_t ldy);
 bool tcv_gemv(const Launch& L, const DevLinear& w, const DevLinear* w3, const ProductRows& io);
 bool tcv_gemv2(const Launch& L, const DevLinear& w, float* y, const DevLinear& w2, float* y2, const float* x,
-               int64_t m);
+               int64_t m, int64_t ldx = 0);  // (ldx 0: w.cols)
 
 // ---- tensor-core GEMM for many tokens (kernels_gemm.cu)
 // y[i * ldy + col + r] = A_i · W[r] for i < m, r < W.rows over K = W.cols, where A_i is the input
@@ -293,7 +305,12 @@ struct MoeStage {
   int64_t ldin = 0;
   float* out = nullptr;
   int64_t ldout = 0;
+  // tcv_moe, stage 0 of K too long for the tensor-core GEMV to stage whole (2 to 8 tokens): scratch
+  // for its chunks' partial products, moe_chunk_floats(...) of them; null: not in chunks
+  float* parts = nullptr;
 };
+// The scratch tcv_moe's stage 0 in chunks takes: n tokens, P = MoeSched::P() rows of out, K = ldin.
+int64_t moe_chunk_floats(int32_t wtype, int64_t K, int64_t n, int64_t P, int64_t ldout);
 void moe_gemv(const Launch& L, const MoeStage& st, const MoeSched& s);
 // moe_gemv on tensor cores (kernels_tcgemv.cu; the largest K is ldin); false where it does not
 // apply (as tcv_gemv). Every expert of `table` must satisfy tcv_ok.

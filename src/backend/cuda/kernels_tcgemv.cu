@@ -103,6 +103,10 @@ struct TcvJob {
   float* y2 = nullptr;
   int64_t ldy2 = 0;
   int ks = 1;  // warps per 16-row tile (each a range of K): 1, 2, 4 or 8
+  // K in chunks (gridDim.z of them): chunk z takes columns [z kc, z kc + kc) of the weights and of
+  // x, and writes y and y2 chunk_y floats further per chunk (partial products; chunk_sum adds them)
+  int64_t kc = 0;
+  int64_t chunk_y = 0;
 };
 
 template <int WT>
@@ -436,9 +440,21 @@ __device__ void tcv_run(const TcvJob& J, int64_t tile_base, char* smem) {
   }
 }
 
+// The job of this block's chunk of K (blockIdx.z; J.kc > 0).
+template <int MODE>
+__device__ __forceinline__ void take_chunk(TcvJob& J) {
+  const int64_t z = blockIdx.z, k0 = z * J.kc, len = min(J.kc, J.a.cols - k0);
+  J.a.col0 += k0, J.b.col0 += k0, J.c.col0 += k0;
+  J.a.cols = J.b.cols = J.c.cols = len;
+  J.x += k0;
+  J.y += z * J.chunk_y;
+  if (MODE == 2) J.y2 += z * J.chunk_y;
+}
+
 template <int WT, bool ONE, int MODE>
 __global__ void __launch_bounds__(kTW * 32, 2) tcv_kernel(TcvJob J, GemvShift sh) {
   extern __shared__ __align__(16) char smem[];
+  if (J.kc) take_chunk<MODE>(J);
   const int64_t b = blockIdx.y;
   J.x += b * sh.xs;
   J.y += b * sh.ys;
@@ -448,11 +464,17 @@ __global__ void __launch_bounds__(kTW * 32, 2) tcv_kernel(TcvJob J, GemvShift sh
   pdl_trigger();
 }
 
+// Stage 0 in chunks of K (blockIdx.z): w1's and w3's partial products apart, chunk z's at
+// out + z * chunk_y, w3's `second` floats after w1's (chunk_sum applies the SwiGLU).
+struct MoeChunks {
+  int64_t kc = 0, chunk_y = 0, second = 0;
+};
+
 // blockIdx.y: an expert slot (launch_slot, expert_slot), as moe_gemv_kernel.
-template <int WT, bool ONE>
+template <int WT, bool ONE, bool CHUNKS = false>
 __global__ void __launch_bounds__(kTW * 32, 2) tcv_moe_kernel(int stage, const DevExpert* __restrict__ table,
                                                               MoeSched s, const float* in, int64_t ldin, float* out,
-                                                              int64_t ldout, int ks) {
+                                                              int64_t ldout, int ks, MoeChunks ch) {
   extern __shared__ __align__(16) char smem[];
   int e;
   int64_t off, cnt;
@@ -470,7 +492,14 @@ __global__ void __launch_bounds__(kTW * 32, 2) tcv_moe_kernel(int stage, const D
   J.y = out + off * ldout, J.ldy = ldout;
   J.ldx = ldin;
   const int64_t tb = int64_t(blockIdx.x) * (kTW / ks);
-  if (stage == 0) {
+  if (CHUNKS) {  // (stage 0)
+    J.a = table[e].w1, J.b = J.c = table[e].w3;
+    J.x = in, J.idx = slot_tokens(s, y, off);
+    J.y2 = J.y + ch.second, J.ldy2 = ldout;
+    J.kc = ch.kc, J.chunk_y = ch.chunk_y;
+    take_chunk<2>(J);
+    tcv_run<WT, ONE, 2>(J, tb, smem);
+  } else if (stage == 0) {
     J.a = table[e].w1, J.b = table[e].w3;
     J.x = in, J.idx = slot_tokens(s, y, off);
     tcv_run<WT, ONE, 1>(J, tb, smem);
@@ -528,9 +557,10 @@ int nit_of(int32_t t, int64_t K) { return int(K / (t == kFP8 ? Tcv<kFP8>::KI : T
 template <int WT, int MODE>
 void launch_tcv(const Launch& L, TcvJob J, int batch, GemvShift sh) {
   const int64_t tiles = (J.a.rows + 15) / 16 + (MODE == 2 ? (J.c.rows + 15) / 16 : 0);
-  J.ks = choose_ks(tiles * batch, nit_of(J.a.t, J.a.cols));
-  const size_t smem = smem_bytes(WT, J.a.cols, J.m, J.ks, MODE == 1);
-  const dim3 grid(cdiv(tiles * J.ks, kTW), unsigned(batch));
+  const int64_t K = J.kc ? J.kc : J.a.cols, nc = J.kc ? (J.a.cols + J.kc - 1) / J.kc : 1;
+  J.ks = choose_ks(tiles * batch * nc, nit_of(J.a.t, K));
+  const size_t smem = smem_bytes(WT, K, J.m, J.ks, MODE == 1);
+  const dim3 grid(cdiv(tiles * J.ks, kTW), unsigned(batch), unsigned(nc));
   auto go = [&](auto kernel) {
     allow_smem(kernel, smem);
     launch(L, kernel, grid, dim3(kTW * 32), smem, J, sh);
@@ -570,6 +600,46 @@ bool tcv_holds(int32_t wtype, int64_t K, int64_t m) {
   return m >= 1 && m <= 8 && smem_bytes(wtype, K, int(m), kKsMax, true) <= kMaxSmem;
 }
 
+// Chunks are sized for two blocks per multiprocessor (their activations at most kChunkSmem): the
+// blocks of all chunks go out in one launch, and each stages only its chunk's activations.
+constexpr size_t kChunkSmem = 96 * 1024;
+
+int64_t tcv_chunk(int32_t wtype, int64_t K, int64_t m) {
+  const int64_t ki = wtype == kFP8 ? Tcv<kFP8>::KI : Tcv<kBF16>::KI, its = K / ki;
+  if (m < 1 || m > 8 || K < ki || K % ki != 0) return 0;
+  if (tcv_holds(wtype, K, m)) return K;
+  for (int64_t nc = 2; nc <= its; ++nc) {
+    const int64_t kc = (its + nc - 1) / nc * ki;
+    if (smem_bytes(wtype, kc, int(m), kKsMax, true) <= kChunkSmem) return kc;
+  }
+  return 0;
+}
+
+namespace {
+
+__global__ void chunk_sum_kernel(const float* __restrict__ part, int nc, int64_t m, int64_t rows, bool swiglu,
+                                 float* __restrict__ y, int64_t ldy) {
+  pdl_wait();
+  const int64_t n = m * rows, stride = swiglu ? 2 * n : n;
+  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
+    float a = 0.f, b = 0.f;
+    for (int c = 0; c < nc; ++c) {
+      a += part[c * stride + i];
+      if (swiglu) b += part[c * stride + n + i];
+    }
+    y[(i / rows) * ldy + i % rows] = swiglu ? silu(a) * b : a;
+  }
+  pdl_trigger();
+}
+
+}  // namespace
+
+void chunk_sum(const Launch& L, const float* part, int nc, int64_t m, int64_t rows, bool swiglu, float* y, int64_t ldy) {
+  const int64_t n = m * rows;
+  launch(L, chunk_sum_kernel, dim3(unsigned(std::min<int64_t>((n + 255) / 256, 4 * device_sms()))), dim3(256), 0, part,
+         nc, m, rows, swiglu, y, ldy);
+}
+
 bool tcv_gemv(const Launch& L, const DevLinear& w, const DevLinear* w3, const ProductRows& io) {
   const int batch = io.batch;
   const GemvShift shift = io.shift;
@@ -585,15 +655,61 @@ bool tcv_gemv(const Launch& L, const DevLinear& w, const DevLinear* w3, const Pr
   return true;
 }
 
+bool tcv_gemv_chunks(const Launch& L, const DevLinear& w, const DevLinear* w2, const ProductRows& io, float* y2,
+                     int64_t kc, int64_t chunk_y) {
+  DevLinear one = w;  // (what one chunk asks of the kernel)
+  one.cols = kc;
+  if (kc <= 0 || io.batch != 1 || !tcv_fits(L, one, io.m) || !tcv_ok(w) || !x_ok(io.x, io.ldx, 0)) return false;
+  if (w2 && (!tcv_ok(*w2) || w2->t != w.t || w2->cols != w.cols)) return false;
+  TcvJob J;
+  J.a = J.b = w;
+  J.x = io.x, J.ldx = io.ldx, J.idx = io.idx, J.m = int(io.m), J.y = io.y, J.ldy = io.ldy;
+  J.kc = kc, J.chunk_y = chunk_y;
+  if (w2) {
+    J.c = *w2, J.y2 = y2, J.ldy2 = w2->rows;
+    dispatch_tcv<2>(L, J, 1, GemvShift{});
+  } else {
+    dispatch_tcv<0>(L, J, 1, GemvShift{});
+  }
+  return true;
+}
+
 bool tcv_gemv2(const Launch& L, const DevLinear& w, float* y, const DevLinear& w2, float* y2, const float* x,
-               int64_t m) {
-  if (!tcv_fits(L, w, m) || !tcv_ok(w2) || w2.t != w.t || w2.cols != w.cols || !x_ok(x, w.cols, 0))
-    return false;
+               int64_t m, int64_t ldx) {
+  if (ldx == 0) ldx = w.cols;
+  if (!tcv_fits(L, w, m) || !tcv_ok(w2) || w2.t != w.t || w2.cols != w.cols || !x_ok(x, ldx, 0)) return false;
   TcvJob J;
   J.a = J.b = w;
   J.c = w2;
-  J.x = x, J.ldx = w.cols, J.m = int(m), J.y = y, J.ldy = w.rows, J.y2 = y2, J.ldy2 = w2.rows;
+  J.x = x, J.ldx = ldx, J.m = int(m), J.y = y, J.ldy = w.rows, J.y2 = y2, J.ldy2 = w2.rows;
   dispatch_tcv<2>(L, J, 1, GemvShift{});
+  return true;
+}
+
+int64_t moe_chunk_floats(int32_t wtype, int64_t K, int64_t n, int64_t P, int64_t ldout) {
+  const int64_t kc = tcv_chunk(wtype, K, n);
+  return kc == 0 || kc == K ? 0 : (K + kc - 1) / kc * 2 * P * ldout;
+}
+
+// tcv_moe's stage 0 with K too long to stage whole: w1's and w3's tiles in one grid (MODE 2),
+// K in chunks over blockIdx.z, into st.parts; then their sums, SwiGLU, into st.out.
+static bool tcv_moe_chunks(const Launch& L, const MoeStage& st, const MoeSched& s) {
+  const int32_t wtype = st.wtype;
+  const int64_t K = st.ldin, kc = tcv_chunk(wtype, K, s.n);
+  if (kc == 0 || kc == K) return false;
+  const int64_t nc = (K + kc - 1) / kc, max_active = s.max_slots(), P = s.P();
+  const int64_t tiles = 2 * ((st.max_rows + 15) / 16);
+  const int ks = choose_ks(tiles * max_active * nc, nit_of(wtype, kc));
+  const size_t smem = smem_bytes(wtype, kc, int(s.n), ks, false);
+  const MoeChunks ch{kc, 2 * P * st.ldout, P * st.ldout};
+  const dim3 grid(cdiv(tiles * ks, kTW), unsigned(max_active), unsigned(nc));
+  auto go = [&](auto kernel) {
+    allow_smem(kernel, smem);
+    launch(L, kernel, grid, dim3(kTW * 32), smem, 0, st.table, s, st.in, st.ldin, st.parts, st.ldout, ks, ch);
+  };
+  if (wtype == kFP8) go(tcv_moe_kernel<kFP8, false, true>);
+  else go(tcv_moe_kernel<kBF16, false, true>);
+  chunk_sum(L, st.parts, int(nc), P, st.ldout, true, st.out, st.ldout);
   return true;
 }
 
@@ -607,11 +723,11 @@ bool tcv_moe(const Launch& L, const MoeStage& st, const MoeSched& s) {
   const int64_t tiles = (max_rows + 15) / 16;
   const int ks = choose_ks(tiles * max_active, nit_of(wtype, K));
   const size_t smem = smem_bytes(wtype, K, int(s.n), ks, st.stage == 0);
-  if (smem > kMaxSmem) return false;
+  if (smem > kMaxSmem) return st.stage == 0 && st.parts && tcv_moe_chunks(L, st, s);
   const dim3 grid(cdiv(tiles * ks, kTW), unsigned(max_active));
   auto go = [&](auto kernel) {
     allow_smem(kernel, smem);
-    launch(L, kernel, grid, dim3(kTW * 32), smem, st.stage, st.table, s, st.in, st.ldin, st.out, st.ldout, ks);
+    launch(L, kernel, grid, dim3(kTW * 32), smem, st.stage, st.table, s, st.in, st.ldin, st.out, st.ldout, ks, MoeChunks{});
   };
   const bool one = s.n == 1;
   if (wtype == kFP8) one ? go(tcv_moe_kernel<kFP8, true>) : go(tcv_moe_kernel<kFP8, false>);
