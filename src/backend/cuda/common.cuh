@@ -6,6 +6,8 @@
 #include <cuda_fp8.h>
 #include <cuda_runtime.h>
 
+#include <mutex>
+#include <unordered_map>
 #include <utility>
 
 #include "backend/cuda/kernels.h"
@@ -296,5 +298,19 @@ void launch(const Launch& L, void (*kernel)(KArgs...), dim3 grid, dim3 block, si
 }
 
 inline unsigned cdiv(int64_t a, int64_t b) { return unsigned((a + b - 1) / b); }
+
+// A kernel launched with more than 48 KB of dynamic shared memory must say so first: once per
+// kernel and size reached (one device per process).
+template <typename F>
+void allow_smem(F* kernel, size_t bytes) {
+  if (bytes <= 48 * 1024) return;
+  static std::mutex mu;
+  static std::unordered_map<const void*, size_t> set;
+  std::lock_guard<std::mutex> lock(mu);
+  size_t& have = set[reinterpret_cast<const void*>(kernel)];
+  if (have >= bytes) return;
+  DSV3_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(bytes)));
+  have = bytes;
+}
 
 }  // namespace dsv3::cuda

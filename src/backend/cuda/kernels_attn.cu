@@ -275,12 +275,7 @@ __global__ void __launch_bounds__(128) flash_prefill_kernel(FlashArgs A) {
 template <int NOPE, int R, int V, bool SPLIT>
 void flash_launch(const Launch& L, const FlashArgs& a) {
   using C = FlashCfg<NOPE, R, V, SPLIT>;
-  static bool attr_set = false;  // per process: one device
-  if (!attr_set) {
-    DSV3_CUDA_CHECK(cudaFuncSetAttribute(flash_prefill_kernel<NOPE, R, V, SPLIT>,
-                                         cudaFuncAttributeMaxDynamicSharedMemorySize, C::smem));
-    attr_set = true;
-  }
+  allow_smem(flash_prefill_kernel<NOPE, R, V, SPLIT>, size_t(C::smem));
   launch(L, flash_prefill_kernel<NOPE, R, V, SPLIT>, dim3(cdiv(a.m, C::BQ), unsigned(a.H)), dim3(C::kThreads),
          size_t(C::smem), a);
 }

@@ -692,11 +692,7 @@ void mla_decode_many(const Launch& L, const MlaDims& d, const DevPos* pos, int64
   DSV3_CHECK(a.nsplit >= 1 && (a.nsplit == 1 || (a.part && a.ml)), "many-token decode attention: split buffers");
   DSV3_CHECK(a.len_max <= d.max_len, "many-token decode attention: len_max ", a.len_max, " past ", d.max_len);
   const size_t smem = many_smem(d);
-  static size_t set = 0;
-  if (smem > set) {
-    DSV3_CUDA_CHECK(cudaFuncSetAttribute(many_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
-    set = smem;
-  }
+  allow_smem(many_kernel, smem);
   // Each split's positions: whole tiles covering len_max (or max_len) over nsplit.
   const int64_t len = a.len_max > 0 ? a.len_max : d.max_len;
   const int64_t chunk = ((len + a.nsplit - 1) / a.nsplit + kManyTP - 1) / kManyTP * kManyTP;

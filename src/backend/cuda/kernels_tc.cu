@@ -554,13 +554,7 @@ namespace {
 
 template <int TM, int WM, bool WG, bool LO, bool ASYNC, bool F8 = false, bool SW = false>
 void tc_launch_lo(const Launch& L, const TcJob& j, int64_t grid_m, int64_t max_n, int batch) {
-  static bool attr_set = false;  // per process: one device
-  if (!attr_set) {
-    DSV3_CUDA_CHECK(cudaFuncSetAttribute(tc_gemm_kernel<TM, WM, WG, LO, ASYNC, F8, SW>,
-                                         cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                         smem_bytes<TM, WG, LO, ASYNC, F8>()));
-    attr_set = true;
-  }
+  allow_smem(tc_gemm_kernel<TM, WM, WG, LO, ASYNC, F8, SW>, size_t(smem_bytes<TM, WG, LO, ASYNC, F8>()));
   const int64_t tn = j.swiglu ? TN / 2 : TN;
   launch(L, tc_gemm_kernel<TM, WM, WG, LO, ASYNC, F8, SW>,
          dim3(unsigned(grid_m), cdiv(max_n, tn), unsigned(j.splits > 1 ? j.splits : batch)), dim3(TM / WM * 64),

@@ -15,8 +15,6 @@
 // a dot product does not see: MMA step j of an iteration takes the lane's values 4j .. 4j + 3.
 #include <algorithm>
 #include <cstdlib>
-#include <mutex>
-#include <unordered_map>
 
 #include "backend/cuda/common.cuh"
 #include "backend/cuda/mma.cuh"
@@ -522,19 +520,6 @@ size_t smem_bytes(int32_t t, int64_t K, int m, int ks, bool fused) {
   const int parts = t == kFP8 ? Tcv<kFP8>::PARTS : Tcv<kBF16>::PARTS;
   const size_t act = (size_t(parts) * size_t(m) * size_t(S) + 15) / 16 * 16 + (t == kFP8 ? am_bytes(m, K) : 0);
   return act + (ks > 1 ? size_t(kTW) * (fused ? 8 : 4) * 32 * sizeof(float) : 0);
-}
-
-// Kernels above 48 KB of dynamic shared memory must say so once (per size reached).
-template <typename F>
-void allow_smem(F* kernel, size_t bytes) {
-  if (bytes <= 48 * 1024) return;
-  static std::mutex mu;
-  static std::unordered_map<const void*, size_t> set;
-  std::lock_guard<std::mutex> lock(mu);
-  size_t& have = set[reinterpret_cast<const void*>(kernel)];
-  if (have >= bytes) return;
-  DSV3_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(bytes)));
-  have = bytes;
 }
 
 // Blocks per SM that the K split aims for, and the most warps per tile (measured on the H200).
