@@ -771,6 +771,8 @@ TEST(BenchCommand, TpShardMeasuresRankZerosShare) {
   const double ratio = half["weights_bytes"].get<double>() / whole["weights_bytes"].get<double>();
   EXPECT_GT(ratio, 0.45);
   EXPECT_LT(ratio, 0.65);  // (the gate and the low-rank projections are whole on every rank)
+  // At batch 1 a rank reads its slices and, on average, half of the activated experts.
+  EXPECT_LT(half["decode_bytes_per_token_batch1"].get<double>(), 0.65 * whole["decode_bytes_per_token_batch1"].get<double>());
   // Rank 0 runs only its half of the experts: fewer a step than the whole model at batch 3.
   EXPECT_LT(half["decode"][1]["routed_experts_per_layer"].get<double>(), whole["decode"][1]["routed_experts_per_layer"].get<double>());
   EXPECT_EQ(half["decode"][1]["tokens"].get<int>(), 3 * 3);

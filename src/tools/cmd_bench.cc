@@ -211,6 +211,8 @@ int run_bench(int argc, char** argv) {
           expert_bytes += int64_t(l->weight.nbytes() + (l->scale.empty() ? 0 : l->scale.nbytes()));
     }
   const int64_t fixed_bytes = st.decode_bytes_per_token - n_moe * a.n_activated_experts * expert_bytes;
+  // Batch 1 reads the activated experts; a rank of --tp-shard N holds 1 / N of them on average.
+  const int64_t batch1_bytes = fixed_bytes + n_moe * a.n_activated_experts * expert_bytes / src.tp_shard;
   // Page every weight in once (from the page cache or disk), so timings see resident weights.
   // (On the GPU the weights were copied to device memory when the model was made.)
   int64_t total_bytes = 0;
@@ -241,7 +243,7 @@ int run_bench(int argc, char** argv) {
   }
   std::fprintf(out, "model: %s, %d layers, %.2f GB of weights (%s in %.1f s)%s; decode reads %.3f GB/token at batch 1\n",
                what.c_str(), a.n_layers, double(total_bytes) / 1e9, ck || !gpu ? "paged in" : "made", now() - t_load,
-               locked ? ", mlocked" : "", double(st.decode_bytes_per_token) / 1e9);
+               locked ? ", mlocked" : "", double(batch1_bytes) / 1e9);
   if (!placed.note.empty()) std::fprintf(out, "%s\n", placed.note.c_str());
 
   std::mt19937 rng(uint32_t(args.get_int("seed", 1)));
@@ -377,7 +379,7 @@ int run_bench(int argc, char** argv) {
                         {"fma_peak_GFLOPs", fma_peak / 1e9},
                         {"matrix_arithmetic", arith},
                         {"weights_bytes", total_bytes},
-                        {"decode_bytes_per_token_batch1", st.decode_bytes_per_token},
+                        {"decode_bytes_per_token_batch1", batch1_bytes},
                         {"prefill",
                          {{"tokens", prompt},
                           {"seconds", ttft},
