@@ -241,6 +241,13 @@ int main(int argc, char** argv) {
         o.tune.long_k = p;
         vars.push_back({name, o, true, false});
       }
+      for (int t : {0, 8, 16, 32}) {  // MoE steps on the tensor-core GEMV's 8-pair tiles up to t pairs per expert
+        const std::string name = "moe-tiles-" + std::to_string(t);
+        if (!asked(name)) continue;
+        CudaOptions o = base;
+        o.tune.moe_tiles = t;
+        vars.push_back({name, o, true, false});
+      }
       if (asked("gate-route")) {  // one token routed by the gate kernel's last block, not the experts'
         CudaOptions o = base;
         o.tune.route_in_experts = false;

@@ -136,6 +136,45 @@ TEST(CudaOps, LinearMatchesRef) {
   }
 }
 
+// Every e4m3 code through every product path, exactly: weight (r, c) is code (7 r + c) mod 256
+// (the NaN codes 0 instead), block scales powers of two, and token t's activations are 1 at
+// column t and 0 elsewhere, so y[t, r] is the decoded weight (r, t) times its scale, with no
+// rounding anywhere. (The random weights of the tests above hold few subnormal codes, and a
+// subnormal lost to a flush moves their relative error by less than their tolerance.)
+TEST(CudaOps, EveryE4m3CodeExactOnEveryPath) {
+  REQUIRE_GPU();
+  const int64_t out = 256, in = 256;
+  HostLinear h = make_linear(DType::F8_E4M3, out, in, 1);
+  for (int64_t r = 0; r < out; ++r)
+    for (int64_t c = 0; c < in; ++c) {
+      const uint8_t b = uint8_t((7 * r + c) & 0xff);
+      h.q[size_t(r * in + c)] = (b & 0x7f) == 0x7f ? 0 : b;
+    }
+  h.scale = {1.f, 0.125f, 4.f, 1.f};  // [2, 2] blocks
+  h.lin.scale.data = h.scale.data();
+  for (int mode = 0; mode < kModes; ++mode) {
+    auto cuda = make_cuda_backend(mode_opts(mode));
+    const Linear dl = to_device(*cuda, h.lin);
+    for (int64_t n : {int64_t(5), int64_t(256)}) {
+      std::vector<float> x(size_t(n * in), 0.f);
+      for (int64_t t = 0; t < n; ++t) x[size_t(t * in + t)] = 1.f;
+      Dev xd(*cuda, x), yd(*cuda, size_t(n * out));
+      cuda->linear(xd.p, n, dl, yd.p);
+      const std::vector<float> y = yd.get();
+      int bad = 0;
+      for (int64_t t = 0; t < n; ++t)
+        for (int64_t r = 0; r < out; ++r) {
+          const float want = kE4m3[h.q[size_t(r * in + t)]] * h.scale[size_t((r / 128) * 2 + t / 128)];
+          const float got = y[size_t(t * out + r)];
+          if (!(got == want) && bad++ < 5)
+            ADD_FAILURE() << "mode " << mode << " n=" << n << " token " << t << " row " << r << " code "
+                          << int(h.q[size_t(r * in + t)]) << ": " << got << " != " << want;
+        }
+      EXPECT_EQ(bad, 0) << "mode " << mode << " n=" << n;
+    }
+  }
+}
+
 // A stand-in world (dsv3 bench --tp-shard): all_reduce keeps this rank's part, all_gather puts it
 // in every rank's columns ([rows, P * d]), one row or several.
 TEST(CudaOps, StandInWorldKeepsThisRanksPart) {
@@ -624,9 +663,14 @@ TEST(CudaOps, MoeDecodePathsMatchRef) {
       // 0: default (tensor cores: e4m3, bf16 from 2 tokens), 1: bf16 at 1 too, 2: FMA only;
       // 3 and 4: 0 and 2 with one token routed by the gate kernel's last block, not the experts';
       // 5 and 6: 0 with rows too long for the tensor-core GEMV on the FMA GEMV (long_k 0) and on the
-      // pipelined GEMM (long_k 1) instead of in chunks
-      for (int path = 0; path < 7; ++path) {
-        CudaOptions o = opts();
+      // pipelined GEMM (long_k 1) instead of in chunks; 7 and 8 (e4m3): 12 and 40 tokens, on the
+      // tensor-core GEMV's tiles of 8 pairs (moe_tiles; experts with 1 to 3 tiles, 2 to 5 per shared
+      // slice) and on the grouped GEMM (moe_tiles 0)
+      for (int path = 0; path < 9; ++path) {
+        const bool many = path >= 7;
+        if (many && t != DType::F8_E4M3) continue;
+        CudaOptions o = opts(false, 8, true, many ? 9 : 1 << 30);
+        o.tune.moe_tiles = path == 7 ? 64 : 0;
         o.tune.tcv_bf16_min = path == 1 ? 1 : (path == 0 || path == 3 || path >= 5 ? 2 : 0);
         if (path == 2 || path == 4) o.tune.tcv_max = 0;
         o.tune.route_in_experts = path < 3 || path >= 5;
@@ -634,15 +678,15 @@ TEST(CudaOps, MoeDecodePathsMatchRef) {
         auto cuda = make_cuda_backend(o);
         ModelWeights dev = host;
         cuda->prepare_weights(a, dev);
-        for (int64_t n : {1, 3, 8}) {
+        for (int64_t n : many ? std::vector<int64_t>{12, 40} : std::vector<int64_t>{1, 3, 8}) {
           const std::vector<float> x = randn(size_t(n * a.dim), uint32_t(n + 50));
           std::vector<float> want(x.size());
           ref->moe(a, host.layers[0].moe_w, x.data(), n, want.data());
           Dev xd(*cuda, x), yd(*cuda, x.size());
           cuda->moe(a, dev.layers[0].moe_w, xd.p, n, yd.p);
           // (the pipelined GEMM splits activations into bf16 hi + lo: its bar)
-          const bool gemm = o.tune.long_k == 1 && o.tune.tcv_max >= n && n >= 2 &&
-                            !cuda::tcv_holds(t == DType::BF16 ? cuda::kBF16 : cuda::kFP8, D, n);
+          const bool gemm = path == 8 || (o.tune.long_k == 1 && o.tune.tcv_max >= n && n >= 2 &&
+                                          !cuda::tcv_holds(t == DType::BF16 ? cuda::kBF16 : cuda::kFP8, D, n));
           EXPECT_LE(rel_l2(yd.get().data(), want.data(), want.size()), gemm ? 5e-5 : 5e-6)
               << dtype_name(t) << " dim " << D << " n=" << n << " path " << path;
         }

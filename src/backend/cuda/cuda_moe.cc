@@ -49,13 +49,20 @@ void CudaBackend::moe_op(const ModelArgs& a, const MoEWeights& w, const float* x
   // Rows too long for the tensor-core GEMV (tune.long_k): stage 0 (K = dim) in chunks (path 2) or
   // both stages on the pipelined GEMM (path 1, and path 2 where stage 1's K, the inter dim, is long).
   const int long_d = long_k(n, T.wtype, a.dim), long_i = long_k(n, T.wtype, T.rows13);
-  const bool tc = T.tc && (use_tc(n) || long_d == 1 || long_i != 0);
+  // More tokens of e4m3 experts whose routed pairs average at most tune.moe_tiles per expert: the
+  // tensor-core GEMV over the router's tiles of 8 pairs (an expert's weights streamed once per
+  // tile) instead of the grouped GEMM, which widens e4m3 tiles in shared memory and is bound by
+  // that pipeline at so few rows per expert. (bf16 experts: the grouped GEMM is the faster one.)
+  const bool tiles = n > 8 && use_tc(n) && T.tcv && T.wtype == cuda::kFP8 &&
+                     n * K <= int64_t(opt_.tune.moe_tiles) * E && cuda::tcv_moe_tiles(L_, T.wtype, a.dim, T.rows13);
+  const bool tc = !tiles && T.tc && (use_tc(n) || long_d == 1 || long_i != 0);
   const bool swap = tc && moe_swap(T, n);
   if (tc) s.tile_rows = swap ? 128 : tile_m(T.wtype);
+  if (tiles) s.tile_rows = 8;
   const cuda::RouteArgs r = route_args(a);
   const float* bias = w.bias.empty() ? nullptr : w.bias.as<float>();
   const int64_t P = s.P(), D = a.dim;
-  const bool gemvs = !tc && (n <= opt_.tune.gemv_max || !T.gemm);
+  const bool gemvs = tiles || (!tc && (n <= opt_.tune.gemv_max || !T.gemm));
   // Another rank's experts keep their pair rows, which no kernel writes: zero, they add nothing to
   // the combine (as the CPU backend skips them; the all-reduce after the MoE sums the ranks).
   if (T.partial) CK(cudaMemsetAsync(f32(kMoeO, size_t(P * D)), 0, size_t(P * D) * 4, stream_));
@@ -99,10 +106,16 @@ void CudaBackend::moe_op(const ModelArgs& a, const MoEWeights& w, const float* x
     // GEMVs: on tensor cores where they take the experts (tcv_moe), else the FMA kernels.
     float* h = f32(kMoeH, size_t(P * T.rows13));
     cuda::MoeStage s0{0, T.dev, T.rows13, T.wtype, x, D, h, T.rows13};
-    if (long_d == 2) s0.parts = f32(kChunks, size_t(cuda::moe_chunk_floats(T.wtype, D, n, P, T.rows13)));
+    if (long_d == 2 || tiles)
+      s0.parts = f32(kChunks, size_t(cuda::moe_chunk_floats(T.wtype, D, tiles ? 8 : n, P, T.rows13)));
     const cuda::MoeStage s1{1, T.dev, T.rows2, T.wtype, h, T.rows13, o, D};
-    if (!(T.tcv && cuda::tcv_moe(L_, s0, s))) cuda::moe_gemv(L_, s0, s);
-    if (!(T.tcv && cuda::tcv_moe(L_, s1, s))) cuda::moe_gemv(L_, s1, s);
+    if (tiles) {
+      const bool ran = cuda::tcv_moe(L_, s0, s) && cuda::tcv_moe(L_, s1, s);
+      DSV3_CHECK(ran, "the tensor-core GEMV refused the MoE tiles tcv_moe_tiles admitted");
+    } else {
+      if (!(T.tcv && cuda::tcv_moe(L_, s0, s))) cuda::moe_gemv(L_, s0, s);
+      if (!(T.tcv && cuda::tcv_moe(L_, s1, s))) cuda::moe_gemv(L_, s1, s);
+    }
   } else {
     float* h = f32(kMoeH, size_t(P * 2 * T.rows13));
     cuda::moe_gemm(L_, {0, T.dev, T.rows13, T.wtype, x, D, h, 2 * T.rows13}, s, T.rows13, fast_at(n));
@@ -140,7 +153,7 @@ cuda::MoeSched CudaBackend::sched(int64_t n, int E, int K, int S) {
   cuda::MoeSched s;
   s.n = n, s.E = E, s.K = K, s.S = S;
   s.experts_run = experts_run_;
-  const int64_t NE = s.NE(), P = s.P(), T = s.max_tiles(), Kt = K + S;
+  const int64_t NE = s.NE(), P = s.P(), T = (P + 7) / 8 + NE, Kt = K + S;  // (room for tiles of 8 rows)
   const size_t words = size_t(3 * NE + 2 + P + 2 * n * Kt + 2 * T);
   int32_t* b = static_cast<int32_t*>(scratch(kSched, words * 4));
   s.cnt = b, b += NE;

@@ -274,7 +274,7 @@ struct MoeSched {
   unsigned long long* experts_run = nullptr;  // [1] or null: += the routed experts given pairs (counters)
   int64_t n = 0;
   int E = 0, K = 0, S = 0;
-  int tile_rows = 64;          // rows per GEMM tile (64, or 128 for tc_gemm's large tiles)
+  int tile_rows = 64;          // rows per tile (64, or 128 for tc_gemm's large tiles; 8: tcv_moe's tiles)
   // The routed experts this rank holds, [local0, local1) (expert parallelism): the others' pairs
   // keep their rows and weights but are neither active nor tiled (no kernel runs them; their rows
   // of the expert output stay as the caller zeroed them). Default: every expert.
@@ -287,7 +287,7 @@ struct MoeSched {
   RouteArgs route;
   DSV3_HD int NE() const { return E + S; }
   DSV3_HD int64_t P() const { return n * (K + S); }
-  DSV3_HD int64_t max_tiles() const { return (P() + 63) / 64 + NE(); }
+  DSV3_HD int64_t max_tiles() const { return (P() + tile_rows - 1) / tile_rows + NE(); }
   DSV3_HD int64_t max_slots() const { return n * K + S < NE() ? n * K + S : NE(); }  // of an expert GEMV launch
 };
 // logits [n, E]; bias [E] or null. Fills `s`; topk_idx/topk_w [n, K] when given (tests).
@@ -313,8 +313,12 @@ struct MoeStage {
 int64_t moe_chunk_floats(int32_t wtype, int64_t K, int64_t n, int64_t P, int64_t ldout);
 void moe_gemv(const Launch& L, const MoeStage& st, const MoeSched& s);
 // moe_gemv on tensor cores (kernels_tcgemv.cu; the largest K is ldin); false where it does not
-// apply (as tcv_gemv). Every expert of `table` must satisfy tcv_ok.
+// apply (as tcv_gemv). Every expert of `table` must satisfy tcv_ok. More than 8 tokens: a block
+// row per tile of the router's table, which s.tile_rows = 8 makes (tcv_moe_tiles says where).
 bool tcv_moe(const Launch& L, const MoeStage& st, const MoeSched& s);
+// Whether tcv_moe takes n > 8 tokens in 8-pair tiles for these weights (stage 0's K = dim, stage
+// 1's = inter); stage 0 then needs MoeStage::parts where moe_chunk_floats(wtype, dim, 8, ...) > 0.
+bool tcv_moe_tiles(const Launch& L, int32_t wtype, int64_t dim, int64_t inter);
 // The tensor-core form: stage 0 writes w1 · x at column 0 and w3 · x at column `half` of
 // h [P, 2 * half]; stage 1 reads silu(h[p, k]) * h[p, half + k].
 void moe_gemm(const Launch& L, const MoeStage& st, const MoeSched& s, int64_t half, bool fast);

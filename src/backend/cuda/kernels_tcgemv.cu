@@ -468,8 +468,9 @@ struct MoeChunks {
   int64_t kc = 0, chunk_y = 0, second = 0;
 };
 
-// blockIdx.y: an expert slot (launch_slot, expert_slot), as moe_gemv_kernel.
-template <int WT, bool ONE, bool CHUNKS = false>
+// blockIdx.y: an expert slot (launch_slot, expert_slot), as moe_gemv_kernel; TILES: a tile of
+// the router's table (expert_tile), whose pair rows all read their tokens through the permutation.
+template <int WT, bool ONE, bool CHUNKS = false, bool TILES = false>
 __global__ void __launch_bounds__(kTW * 32, 2) tcv_moe_kernel(int stage, const DevExpert* __restrict__ table,
                                                               MoeSched s, const float* in, int64_t ldin, float* out,
                                                               int64_t ldout, int ks, MoeChunks ch) {
@@ -479,8 +480,9 @@ __global__ void __launch_bounds__(kTW * 32, 2) tcv_moe_kernel(int stage, const D
 #if DSV3_TRACE_BLOCKS
   const unsigned long long t0 = global_ns();
 #endif
-  const int y = launch_slot<ONE>(s, stage);
-  if (!expert_slot<ONE>(s, stage, y, e, off, cnt)) return;
+  const int y = TILES ? int(blockIdx.y) : launch_slot<ONE>(s, stage);
+  if (TILES ? !expert_tile(s, stage, y, e, off, cnt) : !expert_slot<ONE>(s, stage, y, e, off, cnt)) return;
+  const int32_t* tokens = TILES ? s.perm + off : slot_tokens(s, y, off);
 #if DSV3_TRACE_BLOCKS
   const unsigned long long t1 = global_ns();
 #endif
@@ -492,14 +494,14 @@ __global__ void __launch_bounds__(kTW * 32, 2) tcv_moe_kernel(int stage, const D
   const int64_t tb = int64_t(blockIdx.x) * (kTW / ks);
   if (CHUNKS) {  // (stage 0)
     J.a = table[e].w1, J.b = J.c = table[e].w3;
-    J.x = in, J.idx = slot_tokens(s, y, off);
+    J.x = in, J.idx = tokens;
     J.y2 = J.y + ch.second, J.ldy2 = ldout;
     J.kc = ch.kc, J.chunk_y = ch.chunk_y;
     take_chunk<2>(J);
     tcv_run<WT, ONE, 2>(J, tb, smem);
   } else if (stage == 0) {
     J.a = table[e].w1, J.b = table[e].w3;
-    J.x = in, J.idx = slot_tokens(s, y, off);
+    J.x = in, J.idx = tokens;
     tcv_run<WT, ONE, 1>(J, tb, smem);
   } else {
     J.a = table[e].w2;
@@ -676,44 +678,66 @@ int64_t moe_chunk_floats(int32_t wtype, int64_t K, int64_t n, int64_t P, int64_t
   return kc == 0 || kc == K ? 0 : (K + kc - 1) / kc * 2 * P * ldout;
 }
 
+// An expert launch's block rows (gridDim.y) and the most tokens one takes: the launch slots of
+// at most 8 tokens, or the router's tiles of 8 pairs (more tokens, MoeSched::tile_rows = 8).
+struct MoeRows {
+  int64_t rows, m;
+  bool tiles;
+};
+static MoeRows moe_rows(const MoeSched& s) {
+  const bool tiles = s.n > 8;
+  return {tiles ? s.max_tiles() : s.max_slots(), tiles ? 8 : s.n, tiles};
+}
+
 // tcv_moe's stage 0 with K too long to stage whole: w1's and w3's tiles in one grid (MODE 2),
 // K in chunks over blockIdx.z, into st.parts; then their sums, SwiGLU, into st.out.
 static bool tcv_moe_chunks(const Launch& L, const MoeStage& st, const MoeSched& s) {
   const int32_t wtype = st.wtype;
-  const int64_t K = st.ldin, kc = tcv_chunk(wtype, K, s.n);
+  const MoeRows R = moe_rows(s);
+  const int64_t K = st.ldin, kc = tcv_chunk(wtype, K, R.m);
   if (kc == 0 || kc == K) return false;
-  const int64_t nc = (K + kc - 1) / kc, max_active = s.max_slots(), P = s.P();
-  const int64_t tiles = 2 * ((st.max_rows + 15) / 16);
-  const int ks = choose_ks(tiles * max_active * nc, nit_of(wtype, kc));
-  const size_t smem = smem_bytes(wtype, kc, int(s.n), ks, false);
+  const int64_t nc = (K + kc - 1) / kc, P = s.P();
+  const int64_t row_tiles = 2 * ((st.max_rows + 15) / 16);
+  const int ks = choose_ks(row_tiles * R.rows * nc, nit_of(wtype, kc));
+  const size_t smem = smem_bytes(wtype, kc, int(R.m), ks, false);
   const MoeChunks ch{kc, 2 * P * st.ldout, P * st.ldout};
-  const dim3 grid(cdiv(tiles * ks, kTW), unsigned(max_active), unsigned(nc));
+  const dim3 grid(cdiv(row_tiles * ks, kTW), unsigned(R.rows), unsigned(nc));
   auto go = [&](auto kernel) {
     allow_smem(kernel, smem);
     launch(L, kernel, grid, dim3(kTW * 32), smem, 0, st.table, s, st.in, st.ldin, st.parts, st.ldout, ks, ch);
   };
-  if (wtype == kFP8) go(tcv_moe_kernel<kFP8, false, true>);
-  else go(tcv_moe_kernel<kBF16, false, true>);
+  if (wtype == kFP8) R.tiles ? go(tcv_moe_kernel<kFP8, false, true, true>) : go(tcv_moe_kernel<kFP8, false, true>);
+  else R.tiles ? go(tcv_moe_kernel<kBF16, false, true, true>) : go(tcv_moe_kernel<kBF16, false, true>);
   chunk_sum(L, st.parts, int(nc), P, st.ldout, true, st.out, st.ldout);
   return true;
+}
+
+bool tcv_moe_tiles(const Launch& L, int32_t wtype, int64_t dim, int64_t inter) {
+  const bool type_ok = wtype == kFP8 || (wtype == kBF16 && bf16_ok(L, 8));
+  return L.tcv_max >= 8 && type_ok && tcv_chunk(wtype, dim, 8) > 0 && tcv_holds(wtype, inter, 8);
 }
 
 bool tcv_moe(const Launch& L, const MoeStage& st, const MoeSched& s) {
   const int32_t wtype = st.wtype;
   const int64_t K = st.ldin, max_rows = st.max_rows;  // x or h rows: as wide as the largest K of the stage
-  if (s.n > L.tcv_max || s.n > 8 || !(wtype == kFP8 || (wtype == kBF16 && bf16_ok(L, s.n))) || !x_ok(st.in, K, 0))
-    return false;
+  const MoeRows R = moe_rows(s);
+  if (R.tiles && s.tile_rows != 8) return false;
+  if (R.m > L.tcv_max || !(wtype == kFP8 || (wtype == kBF16 && bf16_ok(L, R.m))) || !x_ok(st.in, K, 0)) return false;
   if (wtype == kFP8 && L.fp8_experts_on_fma(s.n)) return false;
-  const int64_t max_active = s.max_slots();
-  const int64_t tiles = (max_rows + 15) / 16;
-  const int ks = choose_ks(tiles * max_active, nit_of(wtype, K));
-  const size_t smem = smem_bytes(wtype, K, int(s.n), ks, st.stage == 0);
+  const int64_t row_tiles = (max_rows + 15) / 16;
+  const int ks = choose_ks(row_tiles * R.rows, nit_of(wtype, K));
+  const size_t smem = smem_bytes(wtype, K, int(R.m), ks, st.stage == 0);
   if (smem > kMaxSmem) return st.stage == 0 && st.parts && tcv_moe_chunks(L, st, s);
-  const dim3 grid(cdiv(tiles * ks, kTW), unsigned(max_active));
+  const dim3 grid(cdiv(row_tiles * ks, kTW), unsigned(R.rows));
   auto go = [&](auto kernel) {
     allow_smem(kernel, smem);
     launch(L, kernel, grid, dim3(kTW * 32), smem, st.stage, st.table, s, st.in, st.ldin, st.out, st.ldout, ks, MoeChunks{});
   };
+  if (R.tiles) {
+    if (wtype == kFP8) go(tcv_moe_kernel<kFP8, false, false, true>);
+    else go(tcv_moe_kernel<kBF16, false, false, true>);
+    return true;
+  }
   const bool one = s.n == 1;
   if (wtype == kFP8) one ? go(tcv_moe_kernel<kFP8, true>) : go(tcv_moe_kernel<kFP8, false>);
   else one ? go(tcv_moe_kernel<kBF16, true>) : go(tcv_moe_kernel<kBF16, false>);

@@ -465,6 +465,22 @@ __device__ __forceinline__ bool expert_slot(const MoeSched& s, int stage, int y,
   return true;
 }
 
+// Tile y (blockIdx.y) of an expert launch over the router's tile table (MoeSched::tile_rows
+// pairs each, shared slices included): its expert e and pair rows [off, off + cnt). Stage 0 waits
+// for the router first; stage 1 comes after stage 0 has passed that wait (as expert_slot).
+__device__ __forceinline__ bool expert_tile(const MoeSched& s, int stage, int y, int& e, int64_t& off, int64_t& cnt) {
+  if (stage == 0) pdl_wait();
+  if (y >= __ldcg(s.n_tiles)) {
+    pdl_wait();
+    pdl_trigger();
+    return false;
+  }
+  e = __ldcg(s.tile_e + y);
+  const int64_t m0 = __ldcg(s.tile_m0 + y), c = __ldcg(s.cnt + e) - m0;
+  off = __ldcg(s.off + e) + m0, cnt = c < s.tile_rows ? c : s.tile_rows;
+  return true;
+}
+
 // DSV3_MOE_S1_ROUTED_FIRST=1: see launch_slot.
 #ifndef DSV3_MOE_S1_ROUTED_FIRST
 #define DSV3_MOE_S1_ROUTED_FIRST 1
