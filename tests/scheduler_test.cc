@@ -434,6 +434,15 @@ TEST(ServingBench, ReportsEveryLevelWithExactOutputsAndThePrefixCache) {
   EXPECT_EQ(r["completed"].get<int>(), 6);
   EXPECT_FALSE(r["prefix_cache"].get<bool>());
   EXPECT_EQ(r["prefix_cache_hit_rate"].get<double>(), 0.0);
+  // The steps computed every prompt token (64 + 20, nothing cached) and every drawn token but the
+  // last of each request (it is never fed back); their time lies within the run's.
+  ASSERT_EQ(r["preemptions"].get<int>(), 0);
+  EXPECT_EQ(r["step_tokens"].get<int64_t>(), 6 * (64 + 20 + 5 - 1));
+  EXPECT_GT(r["decode_steps"].get<int64_t>(), 0);
+  EXPECT_LT(r["decode_steps"].get<int64_t>(), r["steps"].get<int64_t>());
+  EXPECT_GT(r["decode_step_time_s"].get<double>(), 0.0);
+  EXPECT_LT(r["decode_step_time_s"].get<double>(), r["step_time_s"].get<double>());
+  EXPECT_LE(r["step_time_s"].get<double>(), r["duration_s"].get<double>());
   std::remove(out.c_str());
   for (const char* args : {" --concurrency 0", " --concurrency 4 --prefix-cache maybe"}) {
     const std::string bad = std::string(DSV3_BINARY) + " bench --model " + case_dir("v3_fp8") + "/hf" + args +

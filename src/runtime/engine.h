@@ -59,6 +59,10 @@ struct EngineStats {
   int64_t prefix_hit_tokens = 0, prefix_query_tokens = 0;  // prompt tokens found cached / looked up
   int64_t prompt_tokens = 0, generation_tokens = 0;         // totals since start
   int64_t preemptions = 0;
+  // The model steps since start: how many, the tokens they computed, and the seconds they took
+  // (forward and draw); "decode" ones are those where every sequence computed its one next token.
+  int64_t steps = 0, step_tokens = 0, decode_steps = 0;
+  double step_s = 0, decode_step_s = 0;
 };
 
 class Engine {

@@ -250,6 +250,8 @@ bool Scheduler::step() {
       if (s->computed + plan[k].n == s->len()) batch.logit_rows.push_back(int64_t(ids.size()) - 1), rows.push_back(s);
     }
     batch.tokens = ids.data(), batch.pos = pos.data(), batch.n = int64_t(ids.size());
+    const bool decode = std::all_of(plan.begin(), plan.end(), [](const Work& w) { return w.s->len() - w.s->computed == 1; });
+    const auto t0 = std::chrono::steady_clock::now();
     try {
       sample_rows(rows, batch);
       for (const Work& w : plan) w.s->computed += w.n;
@@ -257,8 +259,11 @@ bool Scheduler::step() {
       for (const Work& w : plan) finish(*w.s, Finish::kError, e.what());  // (frees every w.s)
       plan.clear(), rows.clear();
     }
+    const double took = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     {
       std::lock_guard<std::mutex> lk(mu_);
+      ++stats_.steps, stats_.step_tokens += batch.n, stats_.step_s += took;
+      if (decode) ++stats_.decode_steps, stats_.decode_step_s += took;
       for (const Work& w : plan)
         if (w.s->generated == 0 && w.s->computed <= w.s->prompt) stats_.prompt_tokens += w.n;
     }

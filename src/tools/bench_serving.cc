@@ -107,6 +107,12 @@ json run_level(Model& model, const ServingLoad& l, const std::vector<int32_t>& p
   rep["kv_blocks_total"] = st.kv_blocks_total;
   rep["prefix_cache_hit_rate"] = queried > 0 ? double(st.prefix_hit_tokens - before.prefix_hit_tokens) / double(queried) : 0.0;
   rep["preemptions"] = st.preemptions - before.preemptions;
+  // Where the time went: the model steps, and the decode-only ones among them.
+  rep["steps"] = st.steps - before.steps;
+  rep["step_tokens"] = st.step_tokens - before.step_tokens;
+  rep["step_time_s"] = st.step_s - before.step_s;
+  rep["decode_steps"] = st.decode_steps - before.decode_steps;
+  rep["decode_step_time_s"] = st.decode_step_s - before.decode_step_s;
   rep["prefix_cache"] = so.prefix_cache;
   return rep;
 }

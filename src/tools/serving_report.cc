@@ -106,6 +106,16 @@ void print_serving_report(const json& r) {
   row("Total token throughput (tok/s):", num(r["total_token_throughput"], 2));
   for (const char* extra : {"kv_blocks_peak", "kv_blocks_total", "prefix_cache_hit_rate", "preemptions"})
     if (r.contains(extra)) row(std::string(extra) + ":", r[extra].dump());
+  if (r.contains("steps")) {  // (the offline bench: the scheduler's model steps)
+    const int64_t n = r["steps"], d = r["decode_steps"], tok = r["step_tokens"];
+    const double t = r["step_time_s"], td = r["decode_step_time_s"];
+    auto per = [&](double s, int64_t k) { return k > 0 ? num(1e3 * s / double(k), 2) : std::string("-"); };
+    row("Model steps:", std::to_string(n) + " in " + num(t, 2) + " s, " + num(n > 0 ? double(tok) / double(n) : 0, 1) +
+                            " tokens each on average");
+    row("  decode-only steps:", std::to_string(d) + " in " + num(td, 2) + " s (" + per(td, d) + " ms each)");
+    row("  steps with prompt tokens:", std::to_string(n - d) + " in " + num(t - td, 2) + " s (" + per(t - td, n - d) +
+                                           " ms each)");
+  }
   const std::pair<const char*, const char*> parts[] = {
       {"ttft", "Time to First Token"}, {"tpot", "Time per Output Token (excl. 1st token)"},
       {"itl", "Inter-token Latency"}, {"e2el", "End-to-end Latency"}};
