@@ -102,31 +102,48 @@ TEST(CudaOps, MlaLongRunMatchesRef) {
       TwoWeights W(c, *cuda);
       const ModelArgs& a = W.a;
       const int64_t H = a.n_heads, qk = a.qk_head_dim(), C = a.kv_lora_rank, R = a.qk_rope_head_dim, V = a.v_head_dim;
-      const int slots = 2, max_len = 300;
+      const int max_len = 300;
       RopeTable rope(a, max_len);
-      const test::Paged paged(slots, max_len);
       Dev rope_dev(*cuda, std::vector<float>(rope.at(0), rope.at(0) + size_t(max_len) * size_t(2 * rope.half())));
       const RopeView hrope = test::rope_view(rope), drope = test::rope_view(rope, rope_dev.p);
-      std::vector<TokenPos> tp = {{0, 20}};
-      for (int t = 10; t < 290; ++t) tp.push_back({1, t});
-      const int64_t n = int64_t(tp.size());
-      const Step st = paged.step(tp);
-      const size_t rows = size_t(paged.rows());
-      std::vector<float> c1 = randn(rows * size_t(C), 31), c2 = randn(rows * size_t(R), 32);
-      std::vector<float> q = randn(size_t(n * H * qk), 33), kv = randn(size_t(n * (C + R)), 34);
-      std::vector<float> rc1 = c1, rc2 = c2, rq = q, rkv = kv, rout(size_t(n * H * V));
-      LayerCache rcache;
-      rcache.kv = rc1.data(), rcache.pe = rc2.data();
-      ref->mla({&a, AttnImpl::kAbsorb, &W.host.layers[1].attn, &hrope, &st, &rcache, rq.data(), rkv.data(),
-                rout.data()});
-      Dev d1(*cuda, c1), d2(*cuda, c2), dq(*cuda, q), dkv(*cuda, kv), dout(*cuda, size_t(n * H * V));
-      LayerCache dcache;
-      dcache.kv = d1.p, dcache.pe = d2.p;
-      cuda->mla({&a, AttnImpl::kAbsorb, &W.dev.layers[1].attn, &drope, &st, &dcache, dq.p, dkv.p, dout.p});
-      const double tol = fast ? 1e-2 : 5e-5;  // fast: scores and values on bf16 tensor cores
-      EXPECT_LE(rel_l2(dout.get().data(), rout.data(), rout.size()), tol) << c << (fast ? " fast" : "");
-      EXPECT_LE(rel_l2(d1.get().data(), rc1.data(), rc1.size()), 5e-5) << c << " cache kv";
-      EXPECT_LE(rel_l2(d2.get().data(), rc2.data(), rc2.size()), 5e-5) << c << " cache pe";
+      // A serving step's layout: single tokens (decodes) first, on the absorbed form, then runs of
+      // prompt chunks on the long-run form. Layout 0: one single and a run of 280; 1: 20 singles
+      // (the many-token kernel) and runs of 100 and 80.
+      for (int layout : {0, 1}) {
+        const int slots = layout == 0 ? 2 : 22;
+        const test::Paged paged(slots, max_len);
+        std::vector<TokenPos> tp;
+        if (layout == 0) {
+          tp.push_back({0, 20});
+          for (int t = 10; t < 290; ++t) tp.push_back({1, t});
+        } else {
+          for (int s = 0; s < 20; ++s) tp.push_back({s, 5 + 13 * s});
+          for (int t = 0; t < 100; ++t) tp.push_back({20, t});
+          for (int t = 150; t < 230; ++t) tp.push_back({21, t});
+        }
+        const int64_t n = int64_t(tp.size());
+        const Step st = paged.step(tp);
+        const size_t rows = size_t(paged.rows());
+        std::vector<float> c1 = randn(rows * size_t(C), 31), c2 = randn(rows * size_t(R), 32);
+        std::vector<float> q = randn(size_t(n * H * qk), 33), kv = randn(size_t(n * (C + R)), 34);
+        std::vector<float> rc1 = c1, rc2 = c2, rq = q, rkv = kv, rout(size_t(n * H * V));
+        LayerCache rcache;
+        rcache.kv = rc1.data(), rcache.pe = rc2.data();
+        ref->mla({&a, AttnImpl::kAbsorb, &W.host.layers[1].attn, &hrope, &st, &rcache, rq.data(), rkv.data(),
+                  rout.data()});
+        Dev d1(*cuda, c1), d2(*cuda, c2), dq(*cuda, q), dkv(*cuda, kv), dout(*cuda, size_t(n * H * V));
+        LayerCache dcache;
+        dcache.kv = d1.p, dcache.pe = d2.p;
+        cuda->mla({&a, AttnImpl::kAbsorb, &W.dev.layers[1].attn, &drope, &st, &dcache, dq.p, dkv.p, dout.p});
+        const double tol = fast ? 1e-2 : 5e-5;  // fast: scores and values on bf16 tensor cores
+        const std::string what = c + (fast ? " fast" : "") + " layout " + std::to_string(layout);
+        EXPECT_LE(rel_l2(dout.get().data(), rout.data(), rout.size()), tol) << what;
+        // (the singles alone: their rows must hold too, not only the step's norm)
+        const size_t singles = size_t(layout == 0 ? 1 : 20) * size_t(H * V);
+        EXPECT_LE(rel_l2(dout.get().data(), rout.data(), singles), 5e-5) << what << " singles";
+        EXPECT_LE(rel_l2(d1.get().data(), rc1.data(), rc1.size()), 5e-5) << what << " cache kv";
+        EXPECT_LE(rel_l2(d2.get().data(), rc2.data(), rc2.size()), 5e-5) << what << " cache pe";
+      }
     }
   }
 }

@@ -234,6 +234,9 @@ bool Scheduler::step() {
     budget -= n;
   }
   if (!plan.empty()) {
+    // Single tokens (the decodes) first, then the prompt chunks: a backend may take the two kinds
+    // in different forms (the CUDA backend's attention does: absorbed, and over decompressed K/V).
+    std::stable_partition(plan.begin(), plan.end(), [](const Work& w) { return w.n == 1; });
     // The batch: each sequence's tokens [computed, computed + n); a logit row where that reaches
     // its last token (it samples the next one).
     Model::Batch batch;

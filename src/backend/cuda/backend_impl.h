@@ -162,6 +162,7 @@ class CudaBackend final : public Backend {
 
   // ---- attention (cuda_mla.cc)
   cuda::MlaDims mla_dims(const MlaCall& c, const DevPos** pos);
+  void mla_absorbed(const MlaCall& c, const cuda::MlaDims& d, const cuda::MlaPrep& prep, const DevLinear& wkv_b);
   void mla_runs(const cuda::MlaDims& d, const std::vector<std::pair<int64_t, int64_t>>& runs, const MlaCall& c,
                 const DevLinear& wkv_b);
   void check_logit_row(const float* x, int64_t r, int64_t cols, int64_t limit, int32_t bad, bool none);

@@ -25,6 +25,27 @@ std::vector<std::pair<int64_t, int64_t>> token_runs(const TokenPos* tp, int64_t 
   return runs;
 }
 
+// A serving step: single tokens first (the scheduler's decodes), then runs of prompt chunks. The
+// singles [0, *nd) take the absorbed form and the runs after them the long-run form, where those
+// runs are long enough for it on their own; else one form for the whole step (token_runs).
+std::vector<std::pair<int64_t, int64_t>> split_runs(const TokenPos* tp, int64_t n, int64_t* nd) {
+  int64_t i = 0;
+  while (i < n && (i + 1 == n || tp[i + 1].slot != tp[i].slot || tp[i + 1].pos != tp[i].pos + 1) &&
+         (i == 0 || tp[i].slot != tp[i - 1].slot || tp[i].pos != tp[i - 1].pos + 1))
+    ++i;
+  if (i > 0 && i < n) {
+    std::vector<std::pair<int64_t, int64_t>> tail = token_runs(tp + i, n - i);
+    if (!tail.empty()) {
+      for (auto& r : tail) r.first += i, r.second += i;
+      *nd = i;
+      return tail;
+    }
+  }
+  std::vector<std::pair<int64_t, int64_t>> runs = token_runs(tp, n);
+  *nd = runs.empty() ? n : 0;
+  return runs;
+}
+
 int log2_exact(int b) {
   int s = 0;
   while ((1 << s) < b) ++s;
@@ -72,14 +93,32 @@ void CudaBackend::mla(const MlaCall& c) {
     cuda::mla_naive_values(L_, d, pos, n, S, cache.v, out);
     return;
   }
+  // (Steps that may be recorded as graphs have fewer tokens than a split needs: 32 per run.)
+  int64_t nd = n;  // tokens [0, nd) on the absorbed form, the runs after them on the long-run form
   std::vector<std::pair<int64_t, int64_t>> runs;
-  if (use_tc(n)) runs = token_runs(tp, n);
+  if (use_tc(n)) runs = split_runs(tp, n, &nd);
   prep.cache_kv = cache.kv, prep.cache_pe = cache.pe;
-  if (!runs.empty()) {
-    cuda::mla_prep(L_, d, false, prep);
+  if (nd < n) {
+    cuda::MlaPrep tail = prep;
+    tail.pos = pos + nd, tail.n = n - nd, tail.q = q + nd * H * (nope + d.R), tail.kv = kv + nd * (C + d.R);
+    cuda::mla_prep(L_, d, false, tail);
     mla_runs(d, runs, c, wkv_b);
-    return;
   }
+  if (nd == 0) return;
+  prep.n = nd;
+  mla_absorbed(c, d, prep, wkv_b);
+}
+
+// The absorbed form for the step's first p.n tokens: q absorbed into the latent space, the
+// attention over the latent cache (one launch for few tokens, mla_decode_many for many, score
+// and value kernels otherwise), then the value absorption through wkv_b's value rows.
+void CudaBackend::mla_absorbed(const MlaCall& c, const cuda::MlaDims& d, const cuda::MlaPrep& prep,
+                               const DevLinear& wkv_b) {
+  const TokenPos* tp = c.step->pos;
+  const DevPos* pos = prep.pos;
+  const int64_t n = prep.n, H = d.H, C = d.C, V = d.V, nope = d.nope;
+  float *q = c.q, *out = c.out;
+  const LayerCache& cache = *c.cache;
   float* ol = f32(kKvb, size_t(n * H * C));
   const DevLinear wv = slice(wkv_b, nope, V, 0, C);
   cuda::GemvShift sh;
