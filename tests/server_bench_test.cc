@@ -50,6 +50,13 @@ TEST(ServerBench, ReportsVllmMetricsWithExactLengths) {
   const std::string m = get(server.url(), "/metrics").raw;
   EXPECT_EQ(metric(m, "dsv3:generation_tokens_total"), 12 * 6);
   EXPECT_EQ(metric(m, "dsv3:prompt_tokens_total"), 12 * 16);
+  // Its steps computed every prompt token and every generated one but each request's last (never
+  // fed back), in some decode-only steps and some with prompt tokens.
+  EXPECT_EQ(metric(m, "dsv3:model_step_tokens_total"), 12 * (16 + 6 - 1));
+  EXPECT_GT(metric(m, "dsv3:decode_steps_total"), 0);
+  EXPECT_LT(metric(m, "dsv3:decode_steps_total"), metric(m, "dsv3:model_steps_total"));
+  EXPECT_GT(metric(m, "dsv3:decode_step_seconds_total"), 0);
+  EXPECT_LT(metric(m, "dsv3:decode_step_seconds_total"), metric(m, "dsv3:model_step_seconds_total"));
 
   const std::string text = run(std::string(DSV3_BINARY) + " bench-serve --url " + server.url() +
                                    " --concurrency 2 --requests 2 --input-len 4 --output-len 2",

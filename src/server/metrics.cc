@@ -139,6 +139,12 @@ std::string ServerMetrics::render(const EngineStats& s, const std::string& model
   counter("dsv3:prompt_tokens_total", "Prompt tokens processed.", double(s.prompt_tokens));
   counter("dsv3:generation_tokens_total", "Tokens generated.", double(s.generation_tokens));
   counter("dsv3:num_preemptions_total", "Requests preempted by the engine.", double(s.preemptions));
+  counter("dsv3:model_steps_total", "Model steps run (forward and draw).", double(s.steps));
+  counter("dsv3:model_step_tokens_total", "Tokens computed in model steps.", double(s.step_tokens));
+  counter("dsv3:model_step_seconds_total", "Seconds spent in model steps.", s.step_s);
+  counter("dsv3:decode_steps_total", "Model steps in which every sequence computed only its next token.",
+          double(s.decode_steps));
+  counter("dsv3:decode_step_seconds_total", "Seconds spent in those decode-only steps.", s.decode_step_s);
 
   header(out, "dsv3:request_success_total", "counter", "Choices finished, by reason.");
   line(out, "dsv3:request_success_total", model + ",finished_reason=\"stop\"", std::to_string(stopped_.load()));
