@@ -367,13 +367,14 @@ TEST(CudaOps, ValueAbsorptionCombinesSplits) {
   }
 }
 
-// The decode q absorption of mla_prep_qabs at the 16B shape (nope 128, C 512, 16 heads), both
-// forms (16-byte loads, element-wise), bf16 / e4m3 / float32 wkv_b, 1-8 tokens: against float64
-// on the host, and the prep half's cache row written.
+// The q absorption of mla_prep_qabs at the 16B shape (nope 128, C 512, 16 heads), its forms
+// (16-byte loads for 1-8 tokens, tensor cores for 40 and 70: partial 16-token tiles, two token
+// groups; element-wise, the twin), bf16 / e4m3 / float32 wkv_b: against float64 on the host, and
+// the prep half's cache row written.
 TEST(CudaOps, DecodeQAbsorptionMatchesFloat64) {
   REQUIRE_GPU();
   auto cuda = make_cuda_backend(opts());
-  const test::Paged paged(8, 16, 4);
+  const test::Paged paged(70, 16, 4);
   DevTables tables(*cuda, paged);
   cuda::MlaDims d;
   d.H = 16, d.nope = 128, d.R = 64, d.C = 512, d.V = 128, d.scale = 0.07f, d.eps = 1e-6f;
@@ -384,7 +385,7 @@ TEST(CudaOps, DecodeQAbsorptionMatchesFloat64) {
     const Linear dl = to_device(*cuda, h.lin);
     const DevLinear w = dev_linear_of(dl, rows, C);
     auto wval = [&](int64_t r, int64_t c) { return host_w(h, t, C, r, c); };
-    for (int64_t n : {1, 3, 8}) {
+    for (int64_t n : {1, 3, 8, 40, 70}) {
       std::vector<cuda::DevPos> tp;
       for (int64_t i = 0; i < n; ++i) tp.push_back({int32_t(i), int32_t(i % 5)});
       const std::vector<float> q = randn(size_t(n * H * qk), 71), kv = randn(size_t(n * (C + R)), 72),

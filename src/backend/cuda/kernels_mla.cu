@@ -231,6 +231,82 @@ __device__ void qabs_vec_block(const MlaDims& d, const DevLinear& w, const float
   }
 }
 
+// The same product of many tokens (serving steps) on tensor cores: block (head h, 64 latent
+// columns). The head's nope x 64 weights go to shared memory as bf16 (e4m3 widened exactly; its
+// block scale, one per block: mla_prep_qabs checks, multiplies the sums), warp w takes columns
+// [8w, 8w + 8) as the MMA's B for all of nope (ldmatrix), then 16 tokens at a time: q_nope as A
+// in three bf16 parts (hi, mid, lo: float32's 24 bits), three m16n8k16 MMAs per 16 of nope.
+constexpr int kQtPitch = 72;  // bf16 per staged weight row: 64 columns + 8 (conflict-free ldmatrix rows)
+template <int WT>
+__device__ void qabs_tc_block(const MlaDims& d, const DevLinear& w, const float* __restrict__ q, int64_t n,
+                              float* __restrict__ qa, int h, int cblk, char* smem) {
+  uint16_t* ws = reinterpret_cast<uint16_t*>(smem);  // [nope][kQtPitch]
+  const int64_t cb = int64_t(cblk) * 64, r0 = w.row0 + int64_t(h) * (d.nope + d.V), c0 = w.col0 + cb;
+  // The weights do not depend on earlier kernels: staged before waiting.
+  if constexpr (WT == kBF16) {
+    const uint16_t* W = static_cast<const uint16_t*>(w.w);
+    for (int e = threadIdx.x; e < d.nope * 8; e += blockDim.x) {
+      const int r = e / 8, c8 = e % 8;
+      *reinterpret_cast<uint4*>(ws + r * kQtPitch + 8 * c8) = ld_stream(W + (r0 + r) * w.ld + c0 + 8 * c8);
+    }
+  } else {
+    const uint8_t* W = static_cast<const uint8_t*>(w.w);
+    for (int e = threadIdx.x; e < d.nope * 4; e += blockDim.x) {
+      const int r = e / 4, c16 = e % 4;
+      const uint4 v = ld_stream(W + (r0 + r) * w.ld + c0 + 16 * c16);
+      const uint32_t vw[4] = {v.x, v.y, v.z, v.w};
+      uint32_t o[8];
+#pragma unroll
+      for (int k = 0; k < 8; ++k) {  // bytes 2k, 2k + 1: e4m3 has 4 significant bits, so bf16 holds it exactly
+        const uint32_t b2 = vw[k / 2] >> (16 * (k & 1));
+        o[k] = (__float_as_uint(e4m3_bits(b2 & 0xffu)) >> 16) | (__float_as_uint(e4m3_bits((b2 >> 8) & 0xffu)) & 0xffff0000u);
+      }
+      uint4* dst = reinterpret_cast<uint4*>(ws + r * kQtPitch + 16 * c16);
+      dst[0] = make_uint4(o[0], o[1], o[2], o[3]);
+      dst[1] = make_uint4(o[4], o[5], o[6], o[7]);
+    }
+  }
+  const float scale = WT == kFP8 ? w.s[(r0 >> 7) * w.lds + (c0 >> 7)] : 1.f;
+  pdl_wait();
+  __syncthreads();
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3, nk = d.nope / 16;
+  uint32_t bf[8][2];  // B fragments of the warp's 8 columns, 16 of nope each (nope <= 128)
+#pragma unroll
+  for (int k2 = 0; k2 < 4; ++k2) {
+    if (2 * k2 >= nk) break;
+    uint32_t r[4];
+    ldmatrix_x4_trans(r, smem_addr(ws + (k2 * 32 + lane) * kQtPitch + warp * 8));
+    bf[2 * k2][0] = r[0], bf[2 * k2][1] = r[1], bf[2 * k2 + 1][0] = r[2], bf[2 * k2 + 1][1] = r[3];
+  }
+  const int qk = d.qk();
+  for (int64_t t0 = 0; t0 < n; t0 += 16) {
+    const bool va = t0 + g < n, vb = t0 + g + 8 < n;
+    const float* qa_row = q + ((t0 + g) * d.H + h) * qk + 2 * t;  // tokens t0 + g and t0 + g + 8
+    const float* qb_row = qa_row + 8 * int64_t(d.H) * qk;
+    float c[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+    for (int kk = 0; kk < 8; ++kk) {
+      if (kk >= nk) break;
+      const float2 z = make_float2(0.f, 0.f);
+      const float2 x0 = va ? *reinterpret_cast<const float2*>(qa_row + 16 * kk) : z;
+      const float2 x1 = vb ? *reinterpret_cast<const float2*>(qb_row + 16 * kk) : z;
+      const float2 x2 = va ? *reinterpret_cast<const float2*>(qa_row + 16 * kk + 8) : z;
+      const float2 x3 = vb ? *reinterpret_cast<const float2*>(qb_row + 16 * kk + 8) : z;
+      uint32_t A[3][4];
+      bf16x2_split3(x0.x, x0.y, A[0][0], A[1][0], A[2][0]);
+      bf16x2_split3(x1.x, x1.y, A[0][1], A[1][1], A[2][1]);
+      bf16x2_split3(x2.x, x2.y, A[0][2], A[1][2], A[2][2]);
+      bf16x2_split3(x3.x, x3.y, A[0][3], A[1][3], A[2][3]);
+#pragma unroll
+      for (int part = 2; part >= 0; --part) mma_bf16(c, A[part], bf[kk][0], bf[kk][1]);
+    }
+    const int64_t col = cb + warp * 8 + 2 * t;
+    if (va) *reinterpret_cast<float2*>(qa + ((t0 + g) * d.H + h) * d.C + col) = make_float2(c[0] * scale, c[1] * scale);
+    if (vb)
+      *reinterpret_cast<float2*>(qa + ((t0 + g + 8) * d.H + h) * d.C + col) = make_float2(c[2] * scale, c[3] * scale);
+  }
+}
+
 template <int WT>
 __global__ void __launch_bounds__(256) qabs_kernel(MlaDims d, DevLinear w, const float* __restrict__ q, int64_t n,
                                                    float* __restrict__ qa) {
@@ -241,7 +317,7 @@ __global__ void __launch_bounds__(256) qabs_kernel(MlaDims d, DevLinear w, const
 // Absorbed decode: the q absorption (reads q's nope parts) and RoPE/kv_norm/cache write (q's rope
 // parts, the cache) touch disjoint data: one launch, blocks [0, G * H * C/64) absorb (group g:
 // tokens [g * per, (g + 1) * per)), the rest prep. TB > 0: the 16-byte form, TB tokens per pass;
-// 0: qabs_block.
+// 0: qabs_block; -1: the tensor-core form.
 template <int WT, int TB>
 __global__ void __launch_bounds__(256) prep_qabs_kernel(PrepArgs P, DevLinear w, int64_t n, float* __restrict__ qa,
                                                         int64_t per) {
@@ -254,6 +330,7 @@ __global__ void __launch_bounds__(256) prep_qabs_kernel(PrepArgs P, DevLinear w,
     const float* q = P.q + t0 * P.d.H * P.d.qk();
     float* qa_g = qa + t0 * P.d.H * P.d.C;
     if constexpr (TB > 0) qabs_vec_block<WT, TB>(P.d, w, q, m, qa_g, b % P.d.H, b / P.d.H, smem);
+    else if constexpr (TB < 0) qabs_tc_block<WT>(P.d, w, q, m, qa_g, b % P.d.H, b / P.d.H, reinterpret_cast<char*>(smem));
     else qabs_block<WT>(P.d, w, q, m, qa_g, b % P.d.H, b / P.d.H, smem);
   } else {
     pdl_wait();
@@ -708,17 +785,39 @@ void mla_prep(const Launch& L, const MlaDims& d, bool naive, const MlaPrep& p) {
   launch(L, prep_kernel, dim3(unsigned(p.n)), dim3(256), 0, P);
 }
 
+// The tensor-core q absorption from this many tokens: one 16-row MMA tile or more.
+constexpr int64_t kQabsTcMin = 16;
+// Whether it takes w: bf16 or e4m3 weights, nope a multiple of 32 up to 128, and for e4m3 every
+// head's nope rows within one 128-row scale block (one scale per block of 64 columns).
+static bool qabs_tc_ok(const MlaDims& d, const DevLinear& w) {
+  if ((w.t != kBF16 && w.t != kFP8) || d.nope % 32 != 0 || d.nope > 128) return false;
+  if (w.t == kFP8)
+    for (int64_t h = 0; h < d.H; ++h) {
+      const int64_t r0 = w.row0 + h * (d.nope + d.V);
+      if (r0 / 128 != (r0 + d.nope - 1) / 128) return false;
+    }
+  return true;
+}
+
 void mla_prep_qabs(const Launch& L, const MlaDims& d, const MlaPrep& p, const DevLinear& w, float* qa, bool qabs_vec) {
   DSV3_CHECK(d.R % 2 == 0 && d.nope <= 8 * 16, "MLA shape beyond the fused prep/absorption kernel");
   const int64_t n = p.n;
   const PrepArgs P{d, false, p.pos, p.q, p.kv, p.kv_norm_w, p.rope, p.cache_kv, p.cache_pe, nullptr, nullptr};
   const unsigned nq = unsigned(d.H) * cdiv(d.C, 64);
-  // Many tokens (serving batches): the absorption's blocks split them in groups of 32.
-  const int64_t per = n > 32 ? 32 : std::max<int64_t>(n, 1);
-  const dim3 grid(nq * cdiv(n, per) + unsigned(n));
   // The 16-byte form: whole 64-column blocks, 16-byte aligned rows (and 128-row FP8 scale blocks
   // that a 64-column block never straddles: col0 % 64 == 0).
   const bool vec = qabs_vec && d.C % 64 == 0 && w.col0 % 64 == 0 && vec_ok(w);
+  const bool tc = vec && n >= kQabsTcMin && qabs_tc_ok(d, w);
+  // Many tokens (serving batches): the absorption's blocks split them in groups of 32 (64 on
+  // tensor cores).
+  const int64_t per = tc ? std::min<int64_t>(n, 64) : n > 32 ? 32 : std::max<int64_t>(n, 1);
+  const dim3 grid(nq * cdiv(n, per) + unsigned(n));
+  if (tc) {
+    const size_t smem = sizeof(uint16_t) * size_t(d.nope) * kQtPitch;
+    if (w.t == kBF16) launch(L, prep_qabs_kernel<kBF16, -1>, grid, dim3(256), smem, P, w, n, qa, per);
+    else launch(L, prep_qabs_kernel<kFP8, -1>, grid, dim3(256), smem, P, w, n, qa, per);
+    return;
+  }
   const int tb = !vec ? kTB : (n == 1 ? 1 : 4);
   const size_t smem = sizeof(float) * tb * (size_t(d.nope) + 8 * 64);
   auto go = [&](auto k1, auto k4, auto k0) {

@@ -1,5 +1,6 @@
 // Warp-level tensor-core helpers shared by the mma.sync kernels (kernels_tc.cu, kernels_attn.cu):
-// shared-memory addresses, cp.async, ldmatrix and the bf16 / f16 m16n8k16 MMAs with float32 accumulation.
+// shared-memory addresses, cp.async, ldmatrix and the bf16 / f16 m16n8k16 MMAs with float32 accumulation;
+// float32 values as three bf16 parts.
 #pragma once
 #include <cstdint>
 
@@ -50,6 +51,18 @@ __device__ __forceinline__ void mma_f16(float (&c)[4], const uint32_t (&a)[4], u
       "{%0,%1,%2,%3};\n"
       : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// Two floats as three packed bf16 pairs (low half first) that sum to them within float32's
+// 24 bits: hi, the rest's bf16, the rest of that.
+__device__ __forceinline__ void bf16x2_split3(float a, float b, uint32_t& hi, uint32_t& mid, uint32_t& lo) {
+  const __nv_bfloat162 h = __floats2bfloat162_rn(a, b);
+  const float ra = a - __low2float(h), rb = b - __high2float(h);
+  const __nv_bfloat162 m = __floats2bfloat162_rn(ra, rb);
+  const __nv_bfloat162 l = __floats2bfloat162_rn(ra - __low2float(m), rb - __high2float(m));
+  hi = *reinterpret_cast<const uint32_t*>(&h);
+  mid = *reinterpret_cast<const uint32_t*>(&m);
+  lo = *reinterpret_cast<const uint32_t*>(&l);
 }
 
 }  // namespace
