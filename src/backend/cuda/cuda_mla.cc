@@ -13,35 +13,36 @@ namespace dsv3::cuda_impl {
 
 namespace {
 
-// Runs of tokens of one sequence at consecutive positions; empty when there are too many (the
-// long-run attention pays per run).
-std::vector<std::pair<int64_t, int64_t>> token_runs(const TokenPos* tp, int64_t n) {
-  std::vector<std::pair<int64_t, int64_t>> runs;
+using Runs = std::vector<std::pair<int64_t, int64_t>>;
+
+// Runs of tokens of one sequence at consecutive positions, [first, end) each.
+Runs all_runs(const TokenPos* tp, int64_t n) {
+  Runs runs;
   for (int64_t i = 0; i < n; ++i) {
     if (i > 0 && tp[i].slot == tp[i - 1].slot && tp[i].pos == tp[i - 1].pos + 1) runs.back().second = i + 1;
     else runs.push_back({i, i + 1});
   }
-  if (int64_t(runs.size()) * 32 > n) runs.clear();
   return runs;
 }
 
-// A serving step: single tokens first (the scheduler's decodes), then runs of prompt chunks. The
-// singles [0, *nd) take the absorbed form and the runs after them the long-run form, where those
-// runs are long enough for it on their own; else one form for the whole step (token_runs).
-std::vector<std::pair<int64_t, int64_t>> split_runs(const TokenPos* tp, int64_t n, int64_t* nd) {
-  int64_t i = 0;
-  while (i < n && (i + 1 == n || tp[i + 1].slot != tp[i].slot || tp[i + 1].pos != tp[i].pos + 1) &&
-         (i == 0 || tp[i].slot != tp[i - 1].slot || tp[i].pos != tp[i - 1].pos + 1))
-    ++i;
-  if (i > 0 && i < n) {
-    std::vector<std::pair<int64_t, int64_t>> tail = token_runs(tp + i, n - i);
-    if (!tail.empty()) {
-      for (auto& r : tail) r.first += i, r.second += i;
-      *nd = i;
-      return tail;
-    }
+// Whether runs [k, end) of n tokens suit the long-run form: at least 32 tokens per run (it pays per run).
+bool long_enough(const Runs& runs, size_t k, int64_t n) {
+  return k < runs.size() && int64_t(runs.size() - k) * 32 <= n;
+}
+
+// A step's tokens for the long-run form: empty where they all take the absorbed form. A serving
+// step has single tokens first (the scheduler's decodes), then runs of prompt chunks: the singles
+// [0, *nd) take the absorbed form and the runs after them the long-run form, where those runs are
+// long enough on their own; else one form for the whole step.
+Runs split_runs(const TokenPos* tp, int64_t n, int64_t* nd) {
+  Runs runs = all_runs(tp, n);
+  size_t k = 0;
+  while (k < runs.size() && runs[k].second - runs[k].first == 1) ++k;  // the leading singles: tokens [0, k)
+  if (k > 0 && long_enough(runs, k, n - int64_t(k))) {
+    *nd = int64_t(k);
+    return Runs(runs.begin() + int64_t(k), runs.end());
   }
-  std::vector<std::pair<int64_t, int64_t>> runs = token_runs(tp, n);
+  if (!long_enough(runs, 0, n)) runs.clear();
   *nd = runs.empty() ? n : 0;
   return runs;
 }
@@ -95,7 +96,7 @@ void CudaBackend::mla(const MlaCall& c) {
   }
   // (Steps that may be recorded as graphs have fewer tokens than a split needs: 32 per run.)
   int64_t nd = n;  // tokens [0, nd) on the absorbed form, the runs after them on the long-run form
-  std::vector<std::pair<int64_t, int64_t>> runs;
+  Runs runs;
   if (use_tc(n)) runs = split_runs(tp, n, &nd);
   prep.cache_kv = cache.kv, prep.cache_pe = cache.pe;
   if (nd < n) {
