@@ -193,6 +193,11 @@ int main(int argc, char** argv) {
         o.fast = true;
         vars.push_back({"fast", o, false, true});
         o = base;
+        o.fp8_gemm = true;  // e4m3 activations in FP8 weights' prefill products
+        vars.push_back({"fp8gemm", o, false, true});
+        o.fast = true;
+        vars.push_back({"fast-fp8gemm", o, false, true});
+        o = base;
         o.graphs = false;
         vars.push_back({"nograph", o, true, false});
         o = base;
@@ -222,6 +227,8 @@ int main(int argc, char** argv) {
         vars.push_back({"profile", o, true, true, true});
         o.fast = true;
         vars.push_back({"profile-fast", o, false, true, true});
+        o.fast = false, o.fp8_gemm = true;
+        vars.push_back({"profile-fp8gemm", o, false, true, true});
       }
       auto asked = [&](const std::string& name) { return std::find(only.begin(), only.end(), name) != only.end(); };
       // (asked for only) the step graph without some of its fusions (runtime/rewrites.h): none at

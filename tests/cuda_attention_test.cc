@@ -769,11 +769,11 @@ struct GoldenParam {
   AttnImpl attn;
   int variant;  // 0: default (graphs, PDL); 1: no graphs, no PDL, WMMA tensor cores from 1 token; 2: fast
                 // (bf16 activations for steps of 16+ tokens); 3: pipelined kernel and cuBLAS
-                // attention from 1 token, no graphs
+                // attention from 1 token, no graphs; 4 (FP8 cases): as 3 in FP8 GEMM mode, every step
 };
 
 std::string golden_param_name(const ::testing::TestParamInfo<GoldenParam>& p) {
-  static const char* v[] = {"graphs", "plain", "fast", "tc"};
+  static const char* v[] = {"graphs", "plain", "fast", "tc", "fp8gemm"};
   return p.param.name + (p.param.attn == AttnImpl::kAbsorb ? "_absorb_" : "_naive_") + v[p.param.variant];
 }
 
@@ -781,7 +781,8 @@ std::vector<GoldenParam> golden_params() {
   std::vector<GoldenParam> v;
   for (auto& c : golden_cases())
     for (auto a : {AttnImpl::kAbsorb, AttnImpl::kNaive})
-      for (int k = 0; k < 4; ++k) v.push_back({c, a, k});
+      for (int k = 0; k < 5; ++k)
+        if (k < 4 || c.find("fp8") != std::string::npos) v.push_back({c, a, k});
   return v;
 }
 
@@ -800,6 +801,26 @@ Bf16Row bf16_row(const std::string& c, AttnImpl attn) {
   return {nv ? 0.566 : 0.541, nv ? 0.031 : 0.033, 94, 98};
 }
 
+// The reference's own FP8 GEMM row, from the golden file (logits_fp8gemm: gemm_impl="fp8", absorb
+// attention) against its float32 logits, as bf16_row's.
+Bf16Row fp8gemm_row(SafetensorsFile& g) {
+  std::vector<double> step_errs;
+  Bf16Row r{0, 0, 0, 0};
+  for (int s = 0;; ++s) {
+    char key[32];
+    std::snprintf(key, sizeof key, "step%03d", s);
+    if (!g.has(std::string(key) + ".tokens")) break;
+    TensorView want = g.get(std::string(key) + ".logits_fp32"), got = g.get(std::string(key) + ".logits_fp8gemm");
+    const int64_t B = want.dim(0), V = want.dim(1);
+    step_errs.push_back(rel_l2(got.as<float>(), want.as<float>(), size_t(B * V)));
+    for (int64_t b = 0; b < B; ++b) r.agree += argmax(got.as<float>() + b * V, int(V)) == argmax(want.as<float>() + b * V, int(V));
+    r.total += int(B);
+  }
+  const auto [mx, med] = max_median(step_errs);
+  r.max_err = mx, r.median_err = med;
+  return r;
+}
+
 class CudaGolden : public ::testing::TestWithParam<GoldenParam> {};
 
 TEST_P(CudaGolden, EveryStepMatchesFp32Logits) {
@@ -808,7 +829,8 @@ TEST_P(CudaGolden, EveryStepMatchesFp32Logits) {
   CudaOptions o;
   if (p.variant == 1) o.graphs = false, o.pdl = false, o.tune.gemv_max = 0, o.tune.tc_min = 1 << 30;
   if (p.variant == 2) o.fast = true, o.tune.fast_min = 16;  // the golden prefills (28 tokens) in fast mode
-  if (p.variant == 3) o.graphs = false, o.tune.gemv_max = 0, o.tune.tc_min = 1, o.tune.attn_many_min = 1;
+  if (p.variant == 3 || p.variant == 4) o.graphs = false, o.tune.gemv_max = 0, o.tune.tc_min = 1, o.tune.attn_many_min = 1;
+  if (p.variant == 4) o.fp8_gemm = true, o.tune.fast_min = 1, o.tune.moe_tiles = 0;
   SafetensorsFile g(case_dir(p.name) + "/golden.safetensors");
   ModelOptions mo;
   mo.attn = p.attn;
@@ -833,7 +855,7 @@ TEST_P(CudaGolden, EveryStepMatchesFp32Logits) {
       errs.push_back(err);
       const bool same = argmax(got.data() + size_t(b) * V, V) == argmax(w, V);
       agree += same, ++total;
-      if (p.variant != 2) {
+      if (p.variant != 2 && p.variant != 4) {
         EXPECT_LE(err, 1e-3) << key << " row " << b;
         EXPECT_TRUE(same) << key << " row " << b;
       }
@@ -852,13 +874,22 @@ TEST_P(CudaGolden, EveryStepMatchesFp32Logits) {
     EXPECT_LE(mx, r.max_err);
     EXPECT_GE(agree * r.total, r.agree * total);
   }
+  if (p.variant == 4) {  // e4m3 activations: no worse than the reference's own FP8 GEMM row
+    const Bf16Row r = fp8gemm_row(g);
+    std::printf("  the reference's fp8gemm row: steps max %.3g, median %.3g; argmax %d/%d\n", r.max_err, r.median_err,
+                r.agree, r.total);
+    EXPECT_LE(smx, r.max_err);
+    EXPECT_LE(smed, r.median_err);
+    EXPECT_LE(mx, r.max_err);
+    EXPECT_GE(agree * r.total, r.agree * total);
+  }
 }
 
 // Fresh prefills of the prefix with every position's logits (the long case: 283 rows).
 TEST_P(CudaGolden, PrefixLogitsMatch) {
   REQUIRE_GPU();
   const GoldenParam& p = GetParam();
-  if (p.variant == 2) GTEST_SKIP() << "covered by the step test";
+  if (p.variant == 2 || p.variant == 4) GTEST_SKIP() << "covered by the step test";
   CudaOptions o;
   if (p.variant == 1) o.graphs = false, o.pdl = false, o.tune.gemv_max = 0, o.tune.tc_min = 1 << 30;
   if (p.variant == 3) o.graphs = false, o.tune.gemv_max = 0, o.tune.tc_min = 1, o.tune.attn_many_min = 1;

@@ -62,7 +62,7 @@ int shared_slices(const ModelArgs& a, const MoEWeights& w);
 // Scratch buffers, one per use.
 enum Slot {
   kTok, kPos, kTable, kH, kS, kPart, kMl, kLat, kKvb, kLogits, kSched, kMoeH, kMoeO, kHi, kLo, kHi2, kLo2, kSplitK,
-  kCublasWs, kTopk, kGather, kComm, kChunks,
+  kCublasWs, kTopk, kGather, kComm, kChunks, kQ, kQs, kQ2, kQs2,
   kNumSlots
 };
 
@@ -122,7 +122,10 @@ class CudaBackend final : public Backend {
 
  private:
   // ---- linears (cuda_linear.cc)
-  void run_linear(const DevLinear& w, const float* x, int64_t n, float* y, int64_t ldy, bool exact = false);
+  // allow: which reduced-precision forms the product may take (kAllowFast | kAllowFp8, as the
+  // options and n permit); 0: float32-grade.
+  static constexpr int kAllowFast = 1, kAllowFp8 = 2;
+  void run_linear(const DevLinear& w, const float* x, int64_t n, float* y, int64_t ldy, int allow);
   void tc_linear(cuda::TcJob j, const DevLinear& w, int64_t n, float* y, int64_t ldy);
   // Two linears of the same x [n, in] in one launch: the pipelined kernel's pair or gemv2.
   bool pair_ok(const DevLinear& w1, const DevLinear& w2, const float* x, int64_t n) const;
@@ -145,6 +148,13 @@ class CudaBackend final : public Backend {
   bool tc_takes(const DevLinear& w) const;
   bool fast_at(int64_t n) const { return opt_.fast && n >= opt_.tune.fast_min; }
   cuda::TcJob split_input(const float* x, int64_t n, int64_t cols, bool fast);
+  // FP8 GEMM mode (CudaOptions::fp8_gemm): n tokens of w on e4m3 activations — FP8 weights on the
+  // pipelined kernel's wgmma form, K a multiple of 128, steps of fast_min tokens or more.
+  bool fp8_for(int64_t n, const DevLinear& w) const {
+    return opt_.fp8_gemm && wgmma_ && n >= opt_.tune.fast_min && w.t == cuda::kFP8 && w.cols % 128 == 0 && tc_for(n, w);
+  }
+  // A job whose A operand is act_quant(x [n, cols]) (slot: kQ, or kQ2 for a second stage's input).
+  cuda::TcJob quant_input(const float* x, int64_t n, int64_t cols, bool second = false);
 
   // ---- MoE (cuda_moe.cc)
   // The MoE of x [n, dim] into y: gate, router, experts, then the combine unless `defer` (the
@@ -159,6 +169,7 @@ class CudaBackend final : public Backend {
   const MoeTable& moe_table(const ModelArgs& a, const MoEWeights& w);
   cuda::MoeSched sched(int64_t n, int E, int K, int S);
   bool moe_swap(const MoeTable& T, int64_t n) const;
+  bool fp8_moe(const MoeTable& T, int64_t n, int64_t dim) const;
 
   // ---- attention (cuda_mla.cc)
   cuda::MlaDims mla_dims(const MlaCall& c, const DevPos** pos);
@@ -218,6 +229,7 @@ class CudaBackend final : public Backend {
   cuda::Launch L_;
   cublasHandle_t cublas_ = nullptr;
   bool wgmma_ = false;  // the pipelined kernel's wgmma form may run (an sm_90 device)
+  bool ue8m0_ = false;  // the model's activation scales are powers of two (scale_fmt "ue8m0": act_quant)
   std::vector<void*> owned_;
   Buf scratch_[kNumSlots];
   std::map<const void*, MoeTable> moe_;

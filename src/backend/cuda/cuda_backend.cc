@@ -31,6 +31,7 @@ CudaOptions CudaOptions::from_env() {
   o.graphs = flag("DSV3_CUDA_GRAPH", o.graphs);
   o.pdl = flag("DSV3_CUDA_PDL", o.pdl);
   o.fast = flag("DSV3_CUDA_FAST", o.fast);
+  o.fp8_gemm = flag("DSV3_CUDA_FP8_GEMM", o.fp8_gemm);
   o.progress = flag("DSV3_CUDA_PROGRESS", isatty(2) != 0);
   return o;
 }
@@ -240,6 +241,7 @@ int64_t CudaBackend::device_free_bytes() const {
 
 WeightPlacement CudaBackend::prepare_weights(const ModelArgs& args, ModelWeights& w, const WeightMemory&) {
   on_device();
+  ue8m0_ = args.scale_fmt == "ue8m0";
   size_t total = 0;
   for_each_tensor(w, [&](TensorView& t, TensorRole k) {
     if (!t.empty()) total += align256(size_t(t.numel()) * dtype_size(device_dtype(t, k)));

@@ -11,18 +11,21 @@ namespace dsv3::cuda_impl {
 // Attention projections and the head stay float32-grade in fast mode too: their errors reach
 // every later token through the cache (with bf16 activations here as well, the golden cases' max
 // error exceeds the reference's own bf16 row: measured). Fast mode is for the MLPs, experts and
-// the attention core.
+// the attention core. FP8 GEMM mode takes every FP8 weight's product, as the reference's
+// gemm_impl="fp8" does (the head's weights are bf16).
 void CudaBackend::linear(const float* x, int64_t n, const Linear& w, float* y) {
   if (opt_.profile) mark(str("linear ", w.out(), "x", w.in(), " ", dtype_name(w.weight.dtype)));
   const DevLinear dw = dev_linear(w);
-  run_linear(dw, x, n, y, dw.rows, /*exact=*/true);
+  run_linear(dw, x, n, y, dw.rows, kAllowFp8);
 }
 
 // y[n, out] = x[n, in] · Wᵀ.
-void CudaBackend::run_linear(const DevLinear& w, const float* x, int64_t n, float* y, int64_t ldy, bool exact) {
-  const bool fast = fast_at(n) && !exact;
+void CudaBackend::run_linear(const DevLinear& w, const float* x, int64_t n, float* y, int64_t ldy, int allow) {
+  const bool fast = fast_at(n) && (allow & kAllowFast);
   if (long_k(n, w.t, w.cols) == 2 && tcv_chunked(w, nullptr, x, n, y, ldy)) return;
-  if (tc_for(n, w)) {
+  if ((allow & kAllowFp8) && fp8_for(n, w)) {
+    tc_linear(quant_input(x, n, w.cols), w, n, y, ldy);
+  } else if (tc_for(n, w)) {
     tc_linear(split_input(x, n, w.cols, fast), w, n, y, ldy);
   } else if (n <= opt_.tune.gemv_max || w.t == cuda::kF32 || !cuda::gemm_ok(w)) {
     cuda::gemv(L_, w, nullptr, {.x = x, .ldx = w.cols, .m = n, .y = y, .ldy = ldy});
@@ -73,8 +76,8 @@ void CudaBackend::linear_pair(const Op& a, const Op& b, const StepGraph& g) {
     mark(str("linear pair ", tc_pair_ok(w1, w2, n) ? "tc " : "", w1.rows, "+", w2.rows, "x", w2.cols, " ",
              dtype_name(a.linear->weight.dtype)));
   if (tc_pair_ok(w1, w2, n)) {
-    // One split of x, one launch: the first's weight row tiles, then the second's.
-    cuda::TcJob j = split_input(x.data, n, w2.cols, /*fast=*/false);
+    // One split (or quantisation) of x, one launch: the first's weight row tiles, then the second's.
+    cuda::TcJob j = fp8_for(n, w2) ? quant_input(x.data, n, w2.cols) : split_input(x.data, n, w2.cols, /*fast=*/false);
     j.w = w1, j.M = n, j.c = y1.data, j.ldc = w1.rows;
     j.w_pair = w2, j.c_pair = y2.data, j.ldc_pair = w2.rows;
     set_form(j, w2.cols % 64 == 0, w2.t);
@@ -100,7 +103,7 @@ int CudaBackend::tile_m(int32_t wtype) const {
 // The pipelined kernel's form for a job: tile rows, and wgmma where the device and every K
 // (k64: all multiples of 64) allow it.
 void CudaBackend::set_form(cuda::TcJob& j, bool k64, int32_t wtype) const {
-  j.tm = tile_m(wtype);
+  j.tm = j.a_s ? 128 : tile_m(wtype);  // (e4m3 activations: the 128-row form only)
   j.wgmma = wgmma_ && k64;
   j.fp8 = wtype == cuda::kFP8;
   DSV3_CHECK(!j.fp8 || j.wgmma, "FP8 weights reach the pipelined kernel only in its wgmma form");
@@ -123,6 +126,15 @@ cuda::TcJob CudaBackend::split_input(const float* x, int64_t n, int64_t cols, bo
   return j;
 }
 
+cuda::TcJob CudaBackend::quant_input(const float* x, int64_t n, int64_t cols, bool second) {
+  cuda::TcJob j;
+  uint8_t* q = static_cast<uint8_t*>(scratch(second ? kQ2 : kQ, size_t(n * cols)));
+  float* s = f32(second ? kQs2 : kQs, size_t(n * cols / 128));
+  cuda::act_quant(L_, x, n, cols, ue8m0_, q, s);
+  j.a_hi = q, j.lda = cols, j.a_s = s, j.ldas = cols / 128;
+  return j;
+}
+
 void CudaBackend::mlp(const MLPWeights& w, const float* x, int64_t n, float* y) {
   const DevLinear w1 = dev_linear(w.w1), w3 = dev_linear(w.w3), w2 = dev_linear(w.w2);
   const int64_t inter = w1.rows, D = w2.rows;
@@ -131,15 +143,20 @@ void CudaBackend::mlp(const MLPWeights& w, const float* x, int64_t n, float* y) 
   // for the tensor-core GEMV; when only the second's is (its K is the inter dim), that one alone.
   const bool all_tc = tc_takes(w1) && tc_takes(w3) && tc_takes(w2);
   if (all_tc && (use_tc(n) || long_k(n, w1.t, w1.cols) == 1)) {
-    cuda::TcJob j0 = split_input(x, n, D, fast_at(n));
+    // FP8 GEMM mode: e4m3 x, the SwiGLU product out in float32, quantised again for w2.
+    const bool f8 = fp8_for(n, w1) && fp8_for(n, w2);
+    cuda::TcJob j0 = f8 ? quant_input(x, n, D) : split_input(x, n, D, fast_at(n));
     j0.w = w1, j0.w3 = w3, j0.swiglu = true, j0.M = n;
-    j0.o_hi = scratch(kHi2, size_t(n * inter) * 2);
-    j0.o_lo = fast_at(n) ? nullptr : scratch(kLo2, size_t(n * inter) * 2);
+    j0.o_f32 = f8;
+    j0.o_hi = scratch(kHi2, size_t(n * inter) * (f8 ? 4 : 2));
+    j0.o_lo = fast_at(n) || f8 ? nullptr : scratch(kLo2, size_t(n * inter) * 2);
     j0.ldo = inter;
     set_form(j0, D % 64 == 0 && inter % 64 == 0, w1.t);
     cuda::tc_gemm(L_, j0, cuda::tc_tiles(n, j0.tm), inter);
     cuda::TcJob j1;
-    j1.a_hi = j0.o_hi, j1.a_lo = j0.o_lo, j1.lda = inter, j1.w = w2, j1.M = n, j1.c = y, j1.ldc = D;
+    if (f8) j1 = quant_input(static_cast<const float*>(j0.o_hi), n, inter, /*second=*/true);
+    else j1.a_hi = j0.o_hi, j1.a_lo = j0.o_lo, j1.lda = inter;
+    j1.w = w2, j1.M = n, j1.c = y, j1.ldc = D;
     set_form(j1, D % 64 == 0 && inter % 64 == 0, w2.t);
     cuda::tc_gemm(L_, j1, cuda::tc_tiles(n, j1.tm), D);
     return;
@@ -149,7 +166,8 @@ void CudaBackend::mlp(const MLPWeights& w, const float* x, int64_t n, float* y) 
     if (!(long_k(n, w1.t, w1.cols) == 2 && tcv_chunked(w1, &w3, x, n, h, inter)))
       cuda::gemv(L_, w1, &w3, {.x = x, .ldx = w1.cols, .m = n, .y = h, .ldy = inter});
     if (long_k(n, w2.t, w2.cols) == 2 && tcv_chunked(w2, nullptr, h, n, y, D)) return;
-    if (tc_for(n, w2)) tc_linear(split_input(h, n, inter, fast_at(n)), w2, n, y, D);
+    if (fp8_for(n, w2)) tc_linear(quant_input(h, n, inter), w2, n, y, D);
+    else if (tc_for(n, w2)) tc_linear(split_input(h, n, inter, fast_at(n)), w2, n, y, D);
     else cuda::gemv(L_, w2, nullptr, {.x = h, .ldx = inter, .m = n, .y = y, .ldy = D});
     return;
   }

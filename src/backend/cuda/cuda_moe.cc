@@ -80,26 +80,34 @@ void CudaBackend::moe_op(const ModelArgs& a, const MoEWeights& w, const float* x
     mark("moe.route");
     cuda::moe_route(L_, r, logits, bias, s, nullptr, nullptr);
   } else {
-    run_linear(gate, x, n, logits, E, /*exact=*/true);  // routing: no bf16 shortcut
+    run_linear(gate, x, n, logits, E, /*allow=*/0);  // routing: float32-grade
     mark("moe.route");
     cuda::moe_route(L_, r, logits, bias, s, nullptr, nullptr);
   }
   mark("moe.experts");
   float* o = f32(kMoeO, size_t(P * D));
   if (tc) {
-    cuda::TcJob j0 = xs.a_hi ? xs : split_input(x, n, D, fast_at(n));
+    // FP8 GEMM mode: x quantised for stage 0, whose SwiGLU output (float32) is quantised for stage 1.
+    const bool f8 = fp8_moe(T, n, D);
+    cuda::TcJob j0 = f8 ? quant_input(x, n, D) : xs.a_hi ? xs : split_input(x, n, D, fast_at(n));
     if (fast_at(n)) j0.a_lo = nullptr;
     set_form(j0, T.k64, T.wtype);  // tile rows as the schedule's (by the weight type)
     if (swap) j0.tm = 128, j0.swap = true;  // (moe_swap: the wgmma form)
     j0.grouped = true, j0.experts = T.dev, j0.a_idx = s.perm;
     j0.cnt = s.cnt, j0.off = s.off, j0.tile_e = s.tile_e, j0.tile_m0 = s.tile_m0, j0.n_tiles = s.n_tiles;
     cuda::TcJob j1 = j0;
-    j0.stage = 0, j0.swiglu = true;
-    j0.o_hi = scratch(kHi2, size_t(P * T.rows13) * 2);
-    j0.o_lo = fast_at(n) ? nullptr : scratch(kLo2, size_t(P * T.rows13) * 2);
+    j0.stage = 0, j0.swiglu = true, j0.o_f32 = f8;
+    j0.o_hi = scratch(kHi2, size_t(P * T.rows13) * (f8 ? 4 : 2));
+    j0.o_lo = fast_at(n) || f8 ? nullptr : scratch(kLo2, size_t(P * T.rows13) * 2);
     j0.ldo = T.rows13;
     cuda::tc_gemm(L_, j0, s.max_tiles(), T.rows13);
-    j1.stage = 1, j1.a_idx = nullptr, j1.a_hi = j0.o_hi, j1.a_lo = j0.o_lo, j1.lda = T.rows13;
+    if (f8) {
+      const cuda::TcJob q = quant_input(static_cast<const float*>(j0.o_hi), P, T.rows13, /*second=*/true);
+      j1.a_hi = q.a_hi, j1.a_s = q.a_s, j1.ldas = q.ldas;
+    } else {
+      j1.a_hi = j0.o_hi, j1.a_lo = j0.o_lo;
+    }
+    j1.stage = 1, j1.a_idx = nullptr, j1.lda = T.rows13;
     j1.c = o, j1.ldc = D;
     cuda::tc_gemm(L_, j1, s.max_tiles(), T.rows2);
   } else if (gemvs) {
@@ -147,6 +155,13 @@ bool CudaBackend::moe_swap(const MoeTable& T, int64_t n) const {
   const int sw = opt_.tune.tc_swap;
   const bool want = sw == 2 || (sw == 1 && (T.wtype == cuda::kFP8 || fast_at(n)));
   return want && wgmma_ && T.k64;
+}
+
+// FP8 GEMM mode for a MoE layer's grouped stages of n tokens: e4m3 experts whose K (dim and the
+// inter dim) are multiples of 128, on the wgmma form's 128-row tiles.
+bool CudaBackend::fp8_moe(const MoeTable& T, int64_t n, int64_t dim) const {
+  return opt_.fp8_gemm && wgmma_ && n >= opt_.tune.fast_min && T.wtype == cuda::kFP8 && dim % 128 == 0 &&
+         T.rows13 % 128 == 0 && (moe_swap(T, n) || tile_m(T.wtype) == 128);
 }
 
 cuda::MoeSched CudaBackend::sched(int64_t n, int E, int K, int S) {

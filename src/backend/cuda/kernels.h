@@ -201,6 +201,11 @@ struct TcJob {
   const void* a_hi = nullptr;
   const void* a_lo = nullptr;
   int64_t lda = 0;
+  // e4m3 activations (fp8 weights only, every K a multiple of 128): a_hi holds act_quant's bytes
+  // [rows, lda] and a_s its scales [rows, ldas] (one per 128 columns); the products run as e4m3 x
+  // e4m3 MMAs, each 128-K block's partial sum times its activation and weight scales.
+  const float* a_s = nullptr;
+  int64_t ldas = 0;
   const int32_t* a_idx = nullptr;
   bool grouped = false;
   int stage = 0;
@@ -218,6 +223,7 @@ struct TcJob {
   void* o_hi = nullptr;
   void* o_lo = nullptr;
   int64_t ldo = 0;
+  bool o_f32 = false;  // SwiGLU output as float32 in o_hi (for act_quant) instead of bf16 hi + lo
   GemvShift shift;
   // grouped: the router's schedule (copied by value; pointers into device memory)
   const int32_t* cnt = nullptr;

@@ -27,15 +27,18 @@ constexpr int TN = 128, TK = 32;  // TK: K step of the mma.sync form (and tc_ok'
 template <bool WG>
 __host__ __device__ constexpr int kstep() { return WG ? 64 : 32; }
 // Stages: mma.sync 4; wgmma 3, or 4 when one MMA group stays in flight (ASYNC) without the lo part.
-template <bool WG, bool LO = true, bool ASYNC = false>
-__host__ __device__ constexpr int stages() { return WG ? (ASYNC && !LO ? 4 : 3) : 4; }
+// A8 (e4m3 activations): 4.
+template <bool WG, bool LO = true, bool ASYNC = false, bool A8 = false>
+__host__ __device__ constexpr int stages() { return WG ? (A8 || (ASYNC && !LO) ? 4 : 3) : 4; }
 constexpr int kLdc = TN + 4;  // epilogue tile row
-// Per stage A hi, A lo when LO, B (bf16), and with F8 the e4m3 B staging tile; at least the
-// epilogue's float tile; + alignment slack for wgmma (its buffers start on 1024 bytes).
-template <int TM, bool WG, bool LO, bool ASYNC, bool F8 = false>
+// Per stage A hi, A lo when LO, B (bf16), and with F8 the e4m3 B staging tile; with A8 the e4m3
+// A and B tiles (128-byte rows) and the stage's activation scales; at least the epilogue's float
+// tile; + alignment slack for wgmma (its buffers start on 1024 bytes).
+template <int TM, bool WG, bool LO, bool ASYNC, bool F8 = false, bool A8 = false>
 constexpr int smem_bytes() {
-  const int pipe = stages<WG, LO, ASYNC>() * (((LO ? 2 : 1) * TM + TN) * kstep<WG>() * 2 + (F8 ? TN * kstep<WG>() : 0)),
-            epi = TM * kLdc * 4;
+  const int stage = A8 ? (TM + TN) * 128 + TM * 4
+                       : ((LO ? 2 : 1) * TM + TN) * kstep<WG>() * 2 + (F8 ? TN * kstep<WG>() : 0);
+  const int pipe = stages<WG, LO, ASYNC, A8>() * stage, epi = TM * kLdc * 4;
   return (pipe > epi ? pipe : epi) + (WG ? 1024 : 0);
 }
 
@@ -128,6 +131,51 @@ __device__ __forceinline__ void wgmma_64xN(float (&d)[N / 2], uint64_t da, uint6
   else wgmma_64x128x16(d, da, db, acc);
 }
 
+// The same products of e4m3 operands, 32 K values (32 bytes of each row) per MMA.
+__device__ __forceinline__ void wgmma_e4m3_64x32x32(float (&d)[16], uint64_t da, uint64_t db, bool acc) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900 && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %18, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n32k32.f32.e4m3.e4m3 {%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15}, %16, %17, p, 1, 1;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
+      : "l"(da), "l"(db), "r"(acc ? 1 : 0));
+#endif
+}
+__device__ __forceinline__ void wgmma_e4m3_64x64x32(float (&d)[32], uint64_t da, uint64_t db, bool acc) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900 && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n64k32.f32.e4m3.e4m3 {%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31}, %32, %33, p, 1, 1;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+      : "l"(da), "l"(db), "r"(acc ? 1 : 0));
+#endif
+}
+__device__ __forceinline__ void wgmma_e4m3_64x96x32(float (&d)[48], uint64_t da, uint64_t db, bool acc) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900 && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %50, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n96k32.f32.e4m3.e4m3 {%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31,%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47}, %48, %49, p, 1, 1;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47])
+      : "l"(da), "l"(db), "r"(acc ? 1 : 0));
+#endif
+}
+__device__ __forceinline__ void wgmma_e4m3_64x128x32(float (&d)[64], uint64_t da, uint64_t db, bool acc) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900 && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3 {%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31,%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47,%48,%49,%50,%51,%52,%53,%54,%55,%56,%57,%58,%59,%60,%61,%62,%63}, %64, %65, p, 1, 1;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+      : "l"(da), "l"(db), "r"(acc ? 1 : 0));
+#endif
+}
+template <int N>
+__device__ __forceinline__ void wgmma_e4m3_64xN(float (&d)[N / 2], uint64_t da, uint64_t db, bool acc) {
+  if constexpr (N == 32) wgmma_e4m3_64x32x32(d, da, db, acc);
+  else if constexpr (N == 64) wgmma_e4m3_64x64x32(d, da, db, acc);
+  else if constexpr (N == 96) wgmma_e4m3_64x96x32(d, da, db, acc);
+  else wgmma_e4m3_64x128x32(d, da, db, acc);
+}
+
 // e4m3 -> bf16 of 16 bytes (exact: every e4m3 value is a bf16), as two 8-element chunks.
 __device__ __forceinline__ void e4m3x16_to_bf16(uint4 v, uint4& lo8, uint4& hi8) {
   const uint32_t w[4] = {v.x, v.y, v.z, v.w};
@@ -146,17 +194,25 @@ __device__ __forceinline__ void e4m3x16_to_bf16(uint4 v, uint4& lo8, uint4& hi8)
 // SW (wgmma form, 128 rows, grouped MoE stages): the weight tile is the MMA's A (a warpgroup per
 // 64 weight rows) and the tile's tokens its N, rounded up to 32 (m64nNk16), so an expert's last,
 // partly filled tile costs only the columns it has.
-template <int TM, int WM, bool WG, bool LO, bool ASYNC, bool F8 = false, bool SW = false>
+// A8 (FP8 weights, wgmma form): e4m3 activations (act_quant's bytes and scales, TcJob::a_s). Both
+// tiles are e4m3 in 128-byte rows, one 128-K scale block per stage, loaded without widening;
+// m64nNk32 e4m3 MMAs write each stage's partial product, which is added into the accumulator
+// times the weight block's scale and each token's activation scale of that block.
+template <int TM, int WM, bool WG, bool LO, bool ASYNC, bool F8 = false, bool SW = false, bool A8 = false>
 __global__ void __launch_bounds__(TM / WM * 64) tc_gemm_kernel(TcJob j) {
   static_assert(!F8 || (WG && !ASYNC), "FP8 weights: the wgmma form without an in-flight group");
-  constexpr int BK = kstep<WG>(), CPR = BK / 8, kS = stages<WG, LO, ASYNC>();
+  static_assert(!A8 || (F8 && !LO), "e4m3 activations: FP8 weights, no lo part");
+  // BK: K values per stage; BKU: a tile row in bf16-sized units; CPR: 16-byte chunks per tile row.
+  constexpr int BK = A8 ? 128 : kstep<WG>(), BKU = A8 ? 64 : BK, CPR = A8 ? 8 : BK / 8,
+                kS = stages<WG, LO, ASYNC, A8>();
+  constexpr bool kWiden = F8 && !A8;  // e4m3 weights staged and widened to bf16
   // Loads run P stages ahead. ASYNC keeps the last wgmma group in flight, so the buffer a load
   // refills must be two iterations old: P = stages - 2.
   constexpr int P = WG && ASYNC ? kS - 2 : kS - 1;
   // F8: B rows of BK bytes in 16-byte chunks (BK / 16 per row) into the staging tile.
-  constexpr int kThreads = TM / WM * 64, kAElems = TM * BK, kBElems = TN * BK,
-                kBPer = TN * (F8 ? BK / 16 : CPR) / kThreads, kAPer = TM * CPR / kThreads, MI = WM / 16;
-  constexpr int kFElems = F8 ? TN * BK / 2 : 0;  // the e4m3 staging tile, in bf16-sized units
+  constexpr int kThreads = TM / WM * 64, kAElems = TM * BKU, kBElems = TN * BKU,
+                kBPer = TN * (kWiden ? BK / 16 : CPR) / kThreads, kAPer = TM * CPR / kThreads, MI = WM / 16;
+  constexpr int kFElems = kWiden ? TN * BK / 2 : 0;  // the e4m3 staging tile, in bf16-sized units
   static_assert(!WG || kThreads == 2 * TM, "wgmma form: a warpgroup per 64 rows");
   static_assert(!WG || TM == 64 || !ASYNC, "wgmma form with 128 rows: no in-flight group");
   static_assert(!SW || (WG && TM == 128 && !ASYNC), "swapped operands: the wgmma form with 128 rows");
@@ -197,8 +253,9 @@ __global__ void __launch_bounds__(TM / WM * 64) tc_gemm_kernel(TcJob j) {
   const int64_t N = W0.rows, K = W0.cols;
   if (n0 >= N) return;
   const int64_t bz = j.splits > 1 ? 0 : blockIdx.z;  // batch copy (z is the K split otherwise)
-  const __nv_bfloat16* ahi = static_cast<const __nv_bfloat16*>(j.a_hi) + bz * j.shift.xs;
-  const __nv_bfloat16* alo = j.a_lo ? static_cast<const __nv_bfloat16*>(j.a_lo) + bz * j.shift.xs : nullptr;
+  constexpr int kAsz = A8 ? 1 : 2;  // bytes per activation
+  const uint8_t* ahi = static_cast<const uint8_t*>(j.a_hi) + bz * j.shift.xs * kAsz;
+  const uint8_t* alo = j.a_lo ? static_cast<const uint8_t*>(j.a_lo) + bz * j.shift.xs * kAsz : nullptr;
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, wm = warp >> 1, wn = warp & 1;
   __nv_bfloat16* sbase = reinterpret_cast<__nv_bfloat16*>(smem);
@@ -207,24 +264,30 @@ __global__ void __launch_bounds__(TM / WM * 64) tc_gemm_kernel(TcJob j) {
   auto sA = [&](int st, int part) { return sbase + st * kStage + part * kAElems; };
   auto sB = [&](int st) { return sbase + st * kStage + kParts * kAElems; };
   auto sF = [&](int st) { return reinterpret_cast<uint8_t*>(sbase + st * kStage + kParts * kAElems + kBElems); };
+  auto sS = [&](int st) { return reinterpret_cast<float*>(sbase + kS * kStage) + st * TM; };  // A8: scales
 
   // ---- loaders: A rows (2 chunks per thread per part), B rows (4 chunks per thread)
-  const __nv_bfloat16* a_src[kAPer];
+  const uint8_t* a_src[kAPer];  // byte addresses; k advances by BK activations
   bool a_ok[kAPer];
   int a_dst[kAPer];
+  auto a_row = [&](int r) {
+    int64_t row = arow0 + m0 + (r < Mv ? r : 0);
+    return j.a_idx ? int64_t(j.a_idx[row]) : row;
+  };
 #pragma unroll
   for (int i = 0; i < kAPer; ++i) {
     const int c = tid + i * kThreads, r = c / CPR, ch = c % CPR;
     a_ok[i] = r < Mv;
-    int64_t row = arow0 + m0 + (a_ok[i] ? r : 0);
-    if (j.a_idx) row = j.a_idx[row];
-    a_src[i] = ahi + row * j.lda + ch * 8;
+    a_src[i] = ahi + a_row(r) * j.lda * kAsz + ch * 16;
     a_dst[i] = swz<WG>(r, ch);
   }
+  // A8: thread r < TM loads tile row r's activation scale of each stage's 128-K block.
+  const float* s_src = A8 && tid < TM ? j.a_s + a_row(tid) * j.ldas : nullptr;
+  const bool s_ok = tid < Mv;
   const uint8_t* b_src[kBPer];  // byte addresses; k advances by BK elements of the weight's size
   bool b_ok[kBPer];
   int b_dst[kBPer];  // bf16: element offset in the B tile; F8: byte offset in the staging tile
-  constexpr int kCPR = F8 ? BK / 16 : CPR, kEsz = F8 ? 1 : 2;
+  constexpr int kCPR = kWiden ? BK / 16 : CPR, kEsz = F8 ? 1 : 2;
 #pragma unroll
   for (int i = 0; i < kBPer; ++i) {
     const int c = tid + i * kThreads, r = c / kCPR, ch = c % kCPR;
@@ -234,20 +297,21 @@ __global__ void __launch_bounds__(TM / WM * 64) tc_gemm_kernel(TcJob j) {
     b_ok[i] = wr < N;
     const int64_t rr = W.row0 + bz * j.shift.wrows + (b_ok[i] ? wr : 0);
     b_src[i] = static_cast<const uint8_t*>(W.w) + (rr * W.ld + W.col0) * kEsz + ch * 16;
-    b_dst[i] = F8 ? r * BK + ch * 16 : swz<WG>(r, ch);
+    b_dst[i] = kWiden ? r * BK + ch * 16 : swz<WG>(r, ch);
   }
-  const int64_t lo_off = alo ? alo - ahi : 0;
+  const int64_t lo_off = alo ? alo - ahi : 0;  // bytes
   auto load_stage = [&](int st, int kt) {
     const int64_t k = int64_t(kt) * BK;
 #pragma unroll
     for (int i = 0; i < kAPer; ++i) {
-      cp_async16(smem_addr(sA(st, 0) + a_dst[i]), a_src[i] + k, a_ok[i]);
-      if (LO) cp_async16(smem_addr(sA(st, 1) + a_dst[i]), a_src[i] + lo_off + k, a_ok[i]);
+      cp_async16(smem_addr(sA(st, 0) + a_dst[i]), a_src[i] + k * kAsz, a_ok[i]);
+      if (LO) cp_async16(smem_addr(sA(st, 1) + a_dst[i]), a_src[i] + lo_off + k * kAsz, a_ok[i]);
     }
+    if (A8 && tid < TM) cp_async4(smem_addr(sS(st) + tid), s_src + kt, s_ok);
 #pragma unroll
     for (int i = 0; i < kBPer; ++i) {
-      if (F8) cp_async16(smem_addr(sF(st) + b_dst[i]), b_src[i] + k, b_ok[i]);
-      else cp_async16(smem_addr(sB(st) + b_dst[i]), b_src[i] + k * 2, b_ok[i]);
+      if (kWiden) cp_async16(smem_addr(sF(st) + b_dst[i]), b_src[i] + k, b_ok[i]);
+      else cp_async16(smem_addr(sB(st) + b_dst[i]), b_src[i] + k * kEsz, b_ok[i]);
     }
   };
   // F8: the staged e4m3 tile widened into the swizzled bf16 B tile (each thread its own chunks).
@@ -294,7 +358,7 @@ __global__ void __launch_bounds__(TM / WM * 64) tc_gemm_kernel(TcJob j) {
       float dp[NA];
 #pragma unroll
       for (int i = 0; i < NA; ++i) d[i] = 0.f;
-      if constexpr (F8) {  // each thread widens the chunks it loaded itself: no barrier before
+      if constexpr (kWiden) {  // each thread widens the chunks it loaded itself: no barrier before
         cp_async_wait<P - 1>();
         if (nk > 0) widen_stage(0);
       }
@@ -306,18 +370,22 @@ __global__ void __launch_bounds__(TM / WM * 64) tc_gemm_kernel(TcJob j) {
         if (nx < nk) load_stage(nx % kS, kt0 + nx);
         cp_async_commit();
         // this warpgroup's 64 rows: of A (tokens), or with SW of B (weight rows; the MMA's A)
-        const int st = kt % kS, wrow = (warp >> 2) * 64 * BK;
+        const int st = kt % kS, wrow = (warp >> 2) * 64 * BKU;
         const uint64_t dh = wg_desc(smem_addr(sA(st, 0) + (SW ? 0 : wrow))),
                        dl = wg_desc(smem_addr(sA(st, 1) + (SW ? 0 : wrow))),
                        db = wg_desc(smem_addr(sB(st) + (SW ? wrow : 0)));
         float (&acc)[NA] = F8 ? dp : d;
-        const bool fresh = F8 && (kt == 0 || ((kt0 + kt) & 1) == 0);  // first K step of a 128-K block
+        // first K step of a 128-K block (A8: every stage is one)
+        const bool fresh = A8 || (F8 && (kt == 0 || ((kt0 + kt) & 1) == 0));
 #pragma unroll
         for (int i = 0; i < NA; ++i) reg_fence(acc[i]);
         wg_fence();
 #pragma unroll
-        for (int kk = 0; kk < BK / 16; ++kk) {  // +32 bytes per 16 K values: +2 in the descriptor
-          if constexpr (SW) {
+        for (int kk = 0; kk < 4; ++kk) {  // +32 bytes of each row (16 bf16 / 32 e4m3): +2 in the descriptor
+          if constexpr (A8) {
+            if constexpr (SW) wgmma_e4m3_64xN<NT>(acc, db + 2 * kk, dh + 2 * kk, !(fresh && kk == 0));
+            else wgmma_e4m3_64xN<128>(acc, dh + 2 * kk, db + 2 * kk, !(fresh && kk == 0));
+          } else if constexpr (SW) {
             wgmma_64xN<NT>(acc, db + 2 * kk, dh + 2 * kk, !(fresh && kk == 0));
             if (LO) wgmma_64xN<NT>(acc, db + 2 * kk, dl + 2 * kk, true);
           } else {
@@ -325,7 +393,9 @@ __global__ void __launch_bounds__(TM / WM * 64) tc_gemm_kernel(TcJob j) {
             if (LO) wgmma_64x128x16(acc, dl + 2 * kk, db + 2 * kk);
           }
         }
-        if constexpr (F8) {  // widen the next stage while the tensor cores work on this one
+        if constexpr (A8) {
+          wg_commit_wait<0>();
+        } else if constexpr (F8) {  // widen the next stage while the tensor cores work on this one
           wg_commit_wait<1>();  // commit only: the group stays in flight
           if (kt + 1 < nk) {
             cp_async_wait<P - 1>();  // stage kt + 1 (this thread's chunks) landed
@@ -337,7 +407,19 @@ __global__ void __launch_bounds__(TM / WM * 64) tc_gemm_kernel(TcJob j) {
         }
 #pragma unroll
         for (int i = 0; i < NA; ++i) reg_fence(acc[i]);
-        if constexpr (F8) {
+        if constexpr (A8) {
+          const int64_t kb = (sc_col0 + int64_t(kt0 + kt) * BK) >> 7;
+          const float s0 = sc0[kb], s1 = sc1[kb];
+          const float* as = sS(st);
+          const int g = lane >> 2, t = lane & 3;
+          // accumulator i: MMA row 16 warp + g (+ 8 for i & 2), column 8 (i / 4) + 2 t + (i & 1); the
+          // tokens are the rows, or with SW the columns
+#pragma unroll
+          for (int i = 0; i < NA; ++i) {
+            const float xs = SW ? as[(i >> 2) * 8 + 2 * t + (i & 1)] : as[warp * 16 + g + (i & 2) * 4];
+            d[i] = fmaf(dp[i], ((SW ? warp < 4 : i < 32) ? s0 : s1) * xs, d[i]);
+          }
+        } else if constexpr (F8) {
           if (((kt0 + kt) & 1) == 1 || kt == nk - 1) {
             const int64_t kb = (sc_col0 + int64_t(kt0 + kt) * BK) >> 7;
             const float s0 = sc0[kb], s1 = sc1[kb];
@@ -444,7 +526,8 @@ __global__ void __launch_bounds__(TM / WM * 64) tc_gemm_kernel(TcJob j) {
       if (r >= Mv || c >= nv) continue;
       const float v = silu(ct[r * kLdc + c]) * ct[r * kLdc + TN / 2 + c];
       const int64_t orow = arow0 + m0 + r, oi = orow * j.ldo + n0 + c;
-      split_bf16(v, static_cast<__nv_bfloat16*>(j.o_hi), static_cast<__nv_bfloat16*>(j.o_lo), oi);
+      if (j.o_f32) static_cast<float*>(j.o_hi)[oi] = v;
+      else split_bf16(v, static_cast<__nv_bfloat16*>(j.o_hi), static_cast<__nv_bfloat16*>(j.o_lo), oi);
     }
   } else {
     const int64_t nv = imin(TN, N - n0);
@@ -552,17 +635,23 @@ bool tc_ok_fp8(const DevLinear& w) {
 
 namespace {
 
-template <int TM, int WM, bool WG, bool LO, bool ASYNC, bool F8 = false, bool SW = false>
+template <int TM, int WM, bool WG, bool LO, bool ASYNC, bool F8 = false, bool SW = false, bool A8 = false>
 void tc_launch_lo(const Launch& L, const TcJob& j, int64_t grid_m, int64_t max_n, int batch) {
-  allow_smem(tc_gemm_kernel<TM, WM, WG, LO, ASYNC, F8, SW>, size_t(smem_bytes<TM, WG, LO, ASYNC, F8>()));
+  constexpr size_t smem = size_t(smem_bytes<TM, WG, LO, ASYNC, F8, A8>());
+  allow_smem(tc_gemm_kernel<TM, WM, WG, LO, ASYNC, F8, SW, A8>, smem);
   const int64_t tn = j.swiglu ? TN / 2 : TN;
-  launch(L, tc_gemm_kernel<TM, WM, WG, LO, ASYNC, F8, SW>,
-         dim3(unsigned(grid_m), cdiv(max_n, tn), unsigned(j.splits > 1 ? j.splits : batch)), dim3(TM / WM * 64),
-         size_t(smem_bytes<TM, WG, LO, ASYNC, F8>()), j);
+  launch(L, tc_gemm_kernel<TM, WM, WG, LO, ASYNC, F8, SW, A8>,
+         dim3(unsigned(grid_m), cdiv(max_n, tn), unsigned(j.splits > 1 ? j.splits : batch)), dim3(TM / WM * 64), smem,
+         j);
 }
 template <int TM, int WM, bool WG>
 void tc_launch(const Launch& L, const TcJob& j, int64_t grid_m, int64_t max_n, int batch) {
   if constexpr (WG && TM == 128) {
+    if (j.a_s) {  // e4m3 activations (tc_gemm checked the rest)
+      if (j.swap) tc_launch_lo<TM, WM, WG, false, false, true, true, true>(L, j, grid_m, max_n, batch);
+      else tc_launch_lo<TM, WM, WG, false, false, true, false, true>(L, j, grid_m, max_n, batch);
+      return;
+    }
     if (j.swap) {
       if (j.fp8) {
         if (j.a_lo) tc_launch_lo<TM, WM, WG, true, false, true, true>(L, j, grid_m, max_n, batch);
@@ -601,6 +690,9 @@ void tc_gemm(const Launch& L, const TcJob& j, int64_t grid_m, int64_t max_n, int
                    j.w_pair.t == j.w.t && max_n == tc_pair_rows(j),
                "tc_gemm pair: two plain products of the same activations and weight type, max_n tc_pair_rows");
   DSV3_CHECK(!j.fp8 || j.wgmma, "FP8 weights in the pipelined kernel: wgmma form only");
+  DSV3_CHECK(!j.a_s || (j.fp8 && j.tm == 128 && !j.a_lo && batch == 1 && j.w.cols % 128 == 0 && j.ldas * 128 == j.lda),
+             "e4m3 activations: FP8 weights in the wgmma form, 128-row tiles, no lo part, one product, K % 128 == 0, "
+             "a scale per 128 columns");
   DSV3_CHECK(!j.swap || (j.wgmma && j.tm == 128 && j.grouped && !j.wg_async),
              "swapped operands: grouped MoE stages in the wgmma form with 128-row tiles");
   if (j.wgmma) {
