@@ -134,10 +134,6 @@ __device__ __forceinline__ uint32_t pack_h2(float a, float b) {
   const __half2 h = __floats2half2_rn(a, b);
   return *reinterpret_cast<const uint32_t*>(&h);
 }
-__device__ __forceinline__ uint32_t pack_b2(float a, float b) {
-  const __nv_bfloat162 h = __floats2bfloat162_rn(a, b);
-  return *reinterpret_cast<const uint32_t*>(&h);
-}
 __device__ __forceinline__ float2 h2f(uint32_t v) {
   return __half22float2(*reinterpret_cast<const __half2*>(&v));
 }
@@ -172,15 +168,12 @@ __device__ void stage_x(const TcvJob& J, int64_t K, char* act, float* am) {
       *reinterpret_cast<uint2*>(base) = make_uint2(h0, h1);
       *reinterpret_cast<uint2*>(base + PS) = make_uint2(pack_h2(v.x - g0.x, v.y - g0.y), pack_h2(v.z - g1.x, v.w - g1.y));
     } else {
-      const uint32_t h0 = pack_b2(v.x, v.y), h1 = pack_b2(v.z, v.w);
-      const float2 g0 = bf16x2_bits(h0), g1 = bf16x2_bits(h1);
-      const float r0 = v.x - g0.x, r1 = v.y - g0.y, r2 = v.z - g1.x, r3 = v.w - g1.y;
-      const uint32_t m0 = pack_b2(r0, r1), m1 = pack_b2(r2, r3);
-      const float2 n0 = bf16x2_bits(m0), n1 = bf16x2_bits(m1);
+      uint32_t h0, m0, l0, h1, m1, l1;
+      bf16x2_split3(v.x, v.y, h0, m0, l0);
+      bf16x2_split3(v.z, v.w, h1, m1, l1);
       *reinterpret_cast<uint2*>(base) = make_uint2(h0, h1);
       *reinterpret_cast<uint2*>(base + PS) = make_uint2(m0, m1);
-      *reinterpret_cast<uint2*>(base + 2 * PS) =
-          make_uint2(pack_b2(r0 - n0.x, r1 - n0.y), pack_b2(r2 - n1.x, r3 - n1.y));
+      *reinterpret_cast<uint2*>(base + 2 * PS) = make_uint2(l0, l1);
     }
   }
 }
