@@ -607,18 +607,24 @@ __device__ __forceinline__ void halve(float* v, int lane, int bit) {
 }
 
 // Cache rows [t0, t0 + tn) of sequence `slot` (latent | rope key) into dst [kManyTP][CR4] by
-// cp.async, zeros past tn; one commit group.
+// cp.async, zeros past tn; one commit group. Lane l looks up row t0 + l in the block table once;
+// a thread's rows come from its warp's lanes (no table load between copies).
 __device__ __forceinline__ void many_stage_rows(const MlaDims& d, int32_t slot, int64_t t0, int tn,
                                                 const DecodeAttn& a, float4* dst) {
-  const int CR4 = (d.C + d.R) / 4, C4 = d.C / 4, R4 = d.R / 4;
+  const int CR4 = (d.C + d.R) / 4, C4 = d.C / 4, R4 = d.R / 4, lane = threadIdx.x & 31;
   const float4* kv4 = reinterpret_cast<const float4*>(a.cache_kv);
   const float4* pe4 = reinterpret_cast<const float4*>(a.cache_pe);
-  for (int e = threadIdx.x; e < kManyTP * CR4; e += kManyThreads) {
-    const int r = e / CR4, k4 = e % CR4;
-    const bool ok = r < tn;
-    const int64_t row = ok ? d.row(slot, t0 + r) : 0;
-    const float4* src = k4 < C4 ? kv4 + row * C4 + k4 : pe4 + row * R4 + (k4 - C4);
-    cp_async16(smem_addr(dst + e), src, ok);
+  const int64_t mine = lane < tn ? d.row(slot, t0 + lane) : 0;
+  const int total = kManyTP * CR4, dr = kManyThreads / CR4, dk = kManyThreads % CR4;
+  int r = threadIdx.x / CR4, k4 = threadIdx.x % CR4;  // of element e = base + threadIdx.x
+  for (int base = 0; base < total; base += kManyThreads) {  // (warp-uniform trips: the shuffle)
+    const int64_t row = __shfl_sync(0xffffffffu, mine, min(r, kManyTP - 1));
+    if (base + int(threadIdx.x) < total) {
+      const float4* src = k4 < C4 ? kv4 + row * C4 + k4 : pe4 + row * R4 + (k4 - C4);
+      cp_async16(smem_addr(dst + base + threadIdx.x), src, r < tn);
+    }
+    r += dr, k4 += dk;
+    if (k4 >= CR4) k4 -= CR4, ++r;
   }
   cp_async_commit();
 }
