@@ -26,7 +26,7 @@ struct CudaOptions {
                            // for long runs of one sequence, the prefill attention over decompressed K/V
     int graph_max = 16;    // steps of up to this many tokens are recorded
     int attn_many_min = 17;  // decode attention of at least this many tokens on the many-token kernel (mla_decode_many)
-    int fast_min = 64;     // fast mode only for steps of at least this many tokens
+    int fast_min = 64;     // fast mode and FP8 GEMM mode only for steps of at least this many tokens
     int tcv_max = 8;       // GEMVs of up to this many tokens on tensor cores where the weights fit (kernels_tcgemv.cu)
     int tcv_bf16_min = 2;  // ... for bf16 weights from this many tokens (one token streams bf16 faster on the FMA GEMV)
     int long_k = 2;        // 2 to 8 tokens of a product whose rows the tensor-core GEMV cannot stage (tcv_holds): 0 on the
