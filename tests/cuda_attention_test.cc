@@ -769,8 +769,8 @@ struct GoldenParam {
   AttnImpl attn;
   int variant;  // 0: default (graphs, PDL); 1: no graphs, no PDL, WMMA tensor cores from 1 token; 2: fast
                 // (bf16 activations for steps of 16+ tokens); 3: pipelined kernel and cuBLAS
-                // attention from 1 token, no graphs; 4 (FP8 cases): as 3 in FP8 GEMM mode (steps of
-                // 16+ tokens: the prefills)
+                // attention from 1 token, no graphs; 4 (FP8 cases): as 3 in FP8 GEMM mode for steps
+                // of 16+ tokens (the prefills)
 };
 
 std::string golden_param_name(const ::testing::TestParamInfo<GoldenParam>& p) {
@@ -837,8 +837,9 @@ TEST_P(CudaGolden, EveryStepMatchesFp32Logits) {
   if (p.variant == 1) o.graphs = false, o.pdl = false, o.tune.gemv_max = 0, o.tune.tc_min = 1 << 30;
   if (p.variant == 2) o.fast = true, o.tune.fast_min = 16;  // the golden prefills (28 tokens) in fast mode
   if (p.variant == 3 || p.variant == 4) o.graphs = false, o.tune.gemv_max = 0, o.tune.tc_min = 1, o.tune.attn_many_min = 1;
-  // (FP8 GEMM mode as it ships: prefill steps only; fast_min 16 takes the golden prefills of 28 tokens,
-  // and moe_tiles 0 puts their experts on the grouped GEMM)
+  // (FP8 GEMM mode as it ships, for steps of fast_min tokens or more: 16 here takes the golden prefills
+  // of 28 tokens, while their decode steps stay float32-grade as any step below 64 tokens does; moe_tiles
+  // 0 puts the prefills' experts on the grouped GEMM)
   if (p.variant == 4) o.fp8_gemm = true, o.tune.fast_min = 16, o.tune.moe_tiles = 0;
   SafetensorsFile g(case_dir(p.name) + "/golden.safetensors");
   ModelOptions mo;
