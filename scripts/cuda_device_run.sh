@@ -100,6 +100,7 @@ compile "$DEPS/gtest/src/gtest_main.cc" "$B/gtest_main.o" g++ -std=c++17 -O2 -I$
 BIN_DEF=; [ "${CLI:-0}" = full ] && BIN_DEF="-DDSV3_BINARY=\"$B/dsv3\""  # (the tests of the dsv3 command too)
 compile tests/cuda_backend_test.cc "$B/test.o" g++ $CXXFLAGS -Itests "-DDSV3_TEST_DATA=\"$ROOT/tests/data\"" $BIN_DEF
 compile tests/cuda_attention_test.cc "$B/test_attn.o" g++ $CXXFLAGS -Itests "-DDSV3_TEST_DATA=\"$ROOT/tests/data\"" $BIN_DEF
+compile tests/cuda_model_test.cc "$B/test_model.o" g++ $CXXFLAGS -Itests "-DDSV3_TEST_DATA=\"$ROOT/tests/data\"" $BIN_DEF
 compile tests/cuda_nccl_test.cc "$B/test_nccl.o" g++ $CXXFLAGS -Itests
 compile bench/cuda_bench.cc "$B/bench.o" g++ $CXXFLAGS -Ibench
 compile bench/cublaslt_fp8_bench.cc "$B/ltbench.o" g++ $CXXFLAGS -Ibench
@@ -149,7 +150,7 @@ alt_link() {
     $B/obj_$1/*.o $LIBS
 }
 if [ $fail = 0 ]; then
-  g++ -o "$B/tests" "$B/test.o" "$B/test_attn.o" "$B/test_nccl.o" $B/obj/*.o "$B/gtest-all.o" "$B/gtest_main.o" $LIBS || fail=1
+  g++ -o "$B/tests" "$B/test.o" "$B/test_attn.o" "$B/test_model.o" "$B/test_nccl.o" $B/obj/*.o "$B/gtest-all.o" "$B/gtest_main.o" $LIBS || fail=1
   g++ -o "$B/bench" "$B/bench.o" $B/obj/*.o $LIBS || fail=1
   g++ -o "$B/ltbench" "$B/ltbench.o" $B/obj/*.o $LIBS || fail=1
   if [ -n "$ALT" ]; then alt_link alt "${ALT_SRC:-}" || fail=1; fi

@@ -1,7 +1,8 @@
 // The CUDA backend's products against the ref backend, op by op on random inputs (ragged sizes, FP8
 // with ragged edge blocks, the GEMV, tensor-core GEMV and tensor-core GEMM paths): embedding, norm,
 // linears and their pairs, the router, the dense MLP and the MoE with their fusions, the stand-in
-// world's collectives. The attention, sampling and whole-model tests are in cuda_attention_test.cc.
+// world's collectives. The attention and sampling tests are in cuda_attention_test.cc, the whole
+// model's in cuda_model_test.cc.
 // Every test skips cleanly where no GPU is present.
 #include <gtest/gtest.h>
 

@@ -1,4 +1,4 @@
-// Helpers of the CUDA backend's tests (cuda_backend_test.cc, cuda_attention_test.cc): options for
+// Helpers of the CUDA backend's tests (cuda_backend_test.cc, cuda_attention_test.cc, cuda_model_test.cc): options for
 // each product path, random inputs, device buffers, host linears of every weight type and their
 // device copies, a hand-built step graph, golden weights on both backends.
 #pragma once
