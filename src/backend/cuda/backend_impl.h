@@ -122,10 +122,8 @@ class CudaBackend final : public Backend {
 
  private:
   // ---- linears (cuda_linear.cc)
-  // allow: which reduced-precision forms the product may take (kAllowFast | kAllowFp8, as the
-  // options and n permit); 0: float32-grade.
-  static constexpr int kAllowFast = 1, kAllowFp8 = 2;
-  void run_linear(const DevLinear& w, const float* x, int64_t n, float* y, int64_t ldy, int allow);
+  // Float32-grade, or with fp8 on e4m3 activations where FP8 GEMM mode takes it (fp8_for).
+  void run_linear(const DevLinear& w, const float* x, int64_t n, float* y, int64_t ldy, bool fp8);
   void tc_linear(cuda::TcJob j, const DevLinear& w, int64_t n, float* y, int64_t ldy);
   // Two linears of the same x [n, in] in one launch: the pipelined kernel's pair or gemv2.
   bool pair_ok(const DevLinear& w1, const DevLinear& w2, const float* x, int64_t n) const;
@@ -147,11 +145,12 @@ class CudaBackend final : public Backend {
   void set_form(cuda::TcJob& j, bool k64, int32_t wtype) const;
   bool tc_takes(const DevLinear& w) const;
   bool fast_at(int64_t n) const { return opt_.fast && n >= opt_.tune.fast_min; }
+  bool fp8_at(int64_t n) const { return opt_.fp8_gemm && wgmma_ && n >= opt_.tune.fast_min; }
   cuda::TcJob split_input(const float* x, int64_t n, int64_t cols, bool fast);
   // FP8 GEMM mode (CudaOptions::fp8_gemm): n tokens of w on e4m3 activations — FP8 weights on the
   // pipelined kernel's wgmma form, K a multiple of 128, steps of fast_min tokens or more.
   bool fp8_for(int64_t n, const DevLinear& w) const {
-    return opt_.fp8_gemm && wgmma_ && n >= opt_.tune.fast_min && w.t == cuda::kFP8 && w.cols % 128 == 0 && tc_for(n, w);
+    return fp8_at(n) && w.t == cuda::kFP8 && w.cols % 128 == 0 && tc_for(n, w);
   }
   // A job whose A operand is act_quant(x [n, cols]) (slot: kQ, or kQ2 for a second stage's input).
   cuda::TcJob quant_input(const float* x, int64_t n, int64_t cols, bool second = false);

@@ -16,21 +16,20 @@ namespace dsv3::cuda_impl {
 void CudaBackend::linear(const float* x, int64_t n, const Linear& w, float* y) {
   if (opt_.profile) mark(str("linear ", w.out(), "x", w.in(), " ", dtype_name(w.weight.dtype)));
   const DevLinear dw = dev_linear(w);
-  run_linear(dw, x, n, y, dw.rows, kAllowFp8);
+  run_linear(dw, x, n, y, dw.rows, /*fp8=*/true);
 }
 
 // y[n, out] = x[n, in] · Wᵀ.
-void CudaBackend::run_linear(const DevLinear& w, const float* x, int64_t n, float* y, int64_t ldy, int allow) {
-  const bool fast = fast_at(n) && (allow & kAllowFast);
+void CudaBackend::run_linear(const DevLinear& w, const float* x, int64_t n, float* y, int64_t ldy, bool fp8) {
   if (long_k(n, w.t, w.cols) == 2 && tcv_chunked(w, nullptr, x, n, y, ldy)) return;
-  if ((allow & kAllowFp8) && fp8_for(n, w)) {
+  if (fp8 && fp8_for(n, w)) {
     tc_linear(quant_input(x, n, w.cols), w, n, y, ldy);
   } else if (tc_for(n, w)) {
-    tc_linear(split_input(x, n, w.cols, fast), w, n, y, ldy);
+    tc_linear(split_input(x, n, w.cols, /*fast=*/false), w, n, y, ldy);
   } else if (n <= opt_.tune.gemv_max || w.t == cuda::kF32 || !cuda::gemm_ok(w)) {
     cuda::gemv(L_, w, nullptr, {.x = x, .ldx = w.cols, .m = n, .y = y, .ldy = ldy});
   } else {
-    cuda::gemm(L_, w, nullptr, {.x = x, .ldx = w.cols, .m = n, .y = y, .ldy = ldy}, {.fast = fast});
+    cuda::gemm(L_, w, nullptr, {.x = x, .ldx = w.cols, .m = n, .y = y, .ldy = ldy}, {});
   }
 }
 

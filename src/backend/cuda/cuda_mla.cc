@@ -87,7 +87,7 @@ void CudaBackend::mla(const MlaCall& c) {
     prep.latent = lat, prep.cache_k = cache.k;
     cuda::mla_prep(L_, d, true, prep);
     float* kvb = f32(kKvb, size_t(n * H * (nope + V)));
-    run_linear(wkv_b, lat, n, kvb, H * (nope + V), /*allow=*/0);
+    run_linear(wkv_b, lat, n, kvb, H * (nope + V), /*fp8=*/false);
     cuda::mla_naive_store(L_, d, pos, n, kvb, cache.k, cache.v);
     float* S = f32(kS, size_t(n * H * d.max_len));
     cuda::mla_naive_scores(L_, d, pos, n, q, cache.k, S);
@@ -210,7 +210,7 @@ void CudaBackend::mla_runs(const cuda::MlaDims& d, const std::vector<std::pair<i
     cuda::gather_cache_rows(L_, d, tp[r0].slot, end, c.cache->kv, c.cache->pe, kvs, pes);
     mark("mla.expand");
     float* kvb = f32(kKvb, size_t(end * H * KV));  // [end, H, nope + V]
-    run_linear(wkv_b, kvs, end, kvb, H * KV, /*allow=*/0);
+    run_linear(wkv_b, kvs, end, kvb, H * KV, /*fp8=*/false);
     mark("mla.attn");
     if (flash) {
       const int64_t m = r1 - r0, pos0 = tp[r0].pos;

@@ -80,7 +80,7 @@ void CudaBackend::moe_op(const ModelArgs& a, const MoEWeights& w, const float* x
     mark("moe.route");
     cuda::moe_route(L_, r, logits, bias, s, nullptr, nullptr);
   } else {
-    run_linear(gate, x, n, logits, E, /*allow=*/0);  // routing: float32-grade
+    run_linear(gate, x, n, logits, E, /*fp8=*/false);  // routing: float32-grade
     mark("moe.route");
     cuda::moe_route(L_, r, logits, bias, s, nullptr, nullptr);
   }
@@ -160,8 +160,8 @@ bool CudaBackend::moe_swap(const MoeTable& T, int64_t n) const {
 // FP8 GEMM mode for a MoE layer's grouped stages of n tokens: e4m3 experts whose K (dim and the
 // inter dim) are multiples of 128, on the wgmma form's 128-row tiles.
 bool CudaBackend::fp8_moe(const MoeTable& T, int64_t n, int64_t dim) const {
-  return opt_.fp8_gemm && wgmma_ && n >= opt_.tune.fast_min && T.wtype == cuda::kFP8 && dim % 128 == 0 &&
-         T.rows13 % 128 == 0 && (moe_swap(T, n) || tile_m(T.wtype) == 128);
+  return fp8_at(n) && T.wtype == cuda::kFP8 && dim % 128 == 0 && T.rows13 % 128 == 0 &&
+         (moe_swap(T, n) || tile_m(T.wtype) == 128);
 }
 
 cuda::MoeSched CudaBackend::sched(int64_t n, int E, int K, int S) {
