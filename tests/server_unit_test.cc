@@ -92,6 +92,8 @@ TEST(ServerRequest, RefusesBadInputNamingTheField) {
       {R"({"messages": [{"role": "wizard", "content": "x"}]})", "messages[0].role", "must be system"},
       {R"({"messages": [{"role": "user", "content": 5}]})", "messages[0].content", "content parts"},
       {R"({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]})", "messages[0].content[0]", "text"},
+      {R"({"messages": [{"role": "user", "content": [{"type": 2, "text": "a"}]}]})", "messages[0].content[0]", "text"},
+      {R"({"messages": [{"role": "user", "content": [{"text": "a"}]}]})", "messages[0].content[0]", "text"},
       {R"({"model": 3, )" + kMsgs + "}", "model", "must be a string"},
       {R"({"temperature": "hot", )" + kMsgs + "}", "temperature", "must be a number, got a string"},
       {R"({"temperature": -1, )" + kMsgs + "}", "temperature", "must be in"},

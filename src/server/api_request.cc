@@ -180,7 +180,9 @@ ojson content_string(const ojson& content, const std::string& at) {
     const ojson& part = content[i];
     const std::string p = str(at, "[", i, "]");
     if (!part.is_object()) wrong_type(p, "an object {\"type\": \"text\", \"text\": ...}", part);
-    if (part.value("type", "") != "text") bad(p, str("'", p, "': only text content parts are supported"));
+    auto ty = part.find("type");  // (a "type" that is not a string is refused as any other)
+    if (ty == part.end() || !ty->is_string() || ty->get<std::string>() != "text")
+      bad(p, str("'", p, "': only text content parts are supported"));
     auto t = part.find("text");
     if (t == part.end() || !t->is_string()) bad(p, str("'", p, ".text' must be a string"));
     if (i > 0) text += "\n";
