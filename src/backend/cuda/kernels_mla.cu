@@ -584,9 +584,10 @@ __global__ void naive_values_kernel(MlaDims d, const DevPos* __restrict__ pos, c
 // position split). The split's cache rows go through shared memory kManyTP at a time (two
 // buffers: the next tile's rows are on their way by cp.async while this one's are used), each
 // row read once for all the block's heads: scores (the warp's lanes split the row's C + R columns,
-// then a reduce-scatter of the 16 heads x 4 rows sums), a float32 online softmax, and the latent
-// sums (thread: 4 columns x 8 heads). Float32 FMAs throughout.
-constexpr int kManyTP = 32;   // cache rows per tile (= warp size: the softmax's lane per row)
+// then a reduce-scatter of the 16 heads x 2 rows sums), a float32 online softmax, and the latent
+// sums (thread: 4 columns x 8 heads). Float32 FMAs throughout. Tiles of 16 rows keep a block's
+// shared memory near 110 KB, so two blocks share an SM.
+constexpr int kManyTP = 16;   // cache rows per tile (the softmax's lane per row; two blocks per SM)
 constexpr int kManyHG = 16;   // heads per block
 constexpr int kManyThreads = 256;
 
@@ -629,7 +630,7 @@ __device__ __forceinline__ void many_stage_rows(const MlaDims& d, int32_t slot, 
   cp_async_commit();
 }
 
-__global__ void __launch_bounds__(kManyThreads, 1) many_kernel(MlaDims d, const DevPos* __restrict__ pos, int64_t n,
+__global__ void __launch_bounds__(kManyThreads, 2) many_kernel(MlaDims d, const DevPos* __restrict__ pos, int64_t n,
                                                                DecodeAttn a, int64_t chunk) {
   extern __shared__ float4 sm4[];
   const int CR = d.C + d.R, CR4 = CR / 4, C4 = d.C / 4;
@@ -671,45 +672,39 @@ __global__ void __launch_bounds__(kManyThreads, 1) many_kernel(MlaDims d, const 
     }
     __syncthreads();
     const float4* ks = kbuf + buf * kManyTP * CR4;
-    {  // scores: warp w, rows 4w..4w+3, all heads; lanes over the columns
-      float s[kManyHG * 4];
+    {  // scores: warp w, rows 2w, 2w + 1, all heads; lanes over the columns
+      float s[kManyHG * 2];
 #pragma unroll
-      for (int e = 0; e < kManyHG * 4; ++e) s[e] = 0.f;
+      for (int e = 0; e < kManyHG * 2; ++e) s[e] = 0.f;
       for (int k4 = lane; k4 < CR4; k4 += 32) {
-        float4 kr[4];
+        float4 kr[2];
 #pragma unroll
-        for (int g = 0; g < 4; ++g) kr[g] = ks[(warp * 4 + g) * CR4 + k4];
+        for (int g = 0; g < 2; ++g) kr[g] = ks[(warp * 2 + g) * CR4 + k4];
 #pragma unroll
         for (int h = 0; h < kManyHG; ++h) {
           const float4 qv = qs[h * CR4 + k4];
 #pragma unroll
-          for (int g = 0; g < 4; ++g)
-            s[h * 4 + g] = fmaf(qv.x, kr[g].x, fmaf(qv.y, kr[g].y, fmaf(qv.z, kr[g].z, fmaf(qv.w, kr[g].w, s[h * 4 + g]))));
+          for (int g = 0; g < 2; ++g)
+            s[h * 2 + g] = fmaf(qv.x, kr[g].x, fmaf(qv.y, kr[g].y, fmaf(qv.z, kr[g].z, fmaf(qv.w, kr[g].w, s[h * 2 + g]))));
         }
       }
-      halve<64>(s, lane, 16);
-      halve<32>(s, lane, 8);
-      halve<16>(s, lane, 4);
-      halve<8>(s, lane, 2);
-      halve<4>(s, lane, 1);
-      // s[0], s[1]: the sums of elements base, base + 1 of [head][4 rows], base from the lane's
-      // bits 4..0 (which halves it kept) as 32, 16, 8, 4, 2
-      const int base = ((lane >> 4) & 1) * 32 + ((lane >> 3) & 1) * 16 + ((lane >> 2) & 1) * 8 + ((lane >> 1) & 1) * 4 +
-                       (lane & 1) * 2;
-#pragma unroll
-      for (int u = 0; u < 2; ++u) {
-        const int h = (base + u) >> 2, r = warp * 4 + ((base + u) & 3);
-        ps[r * kManyHG + h] = r < tn ? s[u] * d.scale : -INFINITY;
-      }
+      halve<32>(s, lane, 16);
+      halve<16>(s, lane, 8);
+      halve<8>(s, lane, 4);
+      halve<4>(s, lane, 2);
+      halve<2>(s, lane, 1);
+      // s[0]: the sum of element `lane` of [head][2 rows] (the lane's bits 4..0 say which halves it kept)
+      const int h = lane >> 1, r = warp * 2 + (lane & 1);
+      ps[r * kManyHG + h] = r < tn ? s[0] * d.scale : -INFINITY;
     }
     __syncthreads();
     // online softmax: warp w, heads w and w + 8; lane = row
     for (int h = warp; h < kManyHG; h += kManyThreads / 32) {
-      const float sv = ps[lane * kManyHG + h];
+      const float sv = lane < kManyTP ? ps[lane * kManyHG + h] : -INFINITY;
       const float mt = warp_max(sv), mnew = fmaxf(mrun[h], mt);
       const float e = lane < tn ? expf(sv - mnew) : 0.f;
       const float sum = warp_sum(e);
-      ps[lane * kManyHG + h] = e;
+      if (lane < kManyTP) ps[lane * kManyHG + h] = e;
       if (lane == 0) {
         const float al = expf(mrun[h] - mnew);
         alpha[h] = al, lrun[h] = lrun[h] * al + sum, mrun[h] = mnew;
