@@ -15,6 +15,8 @@
 
 #ifdef DSV3_HAVE_CUDA
 
+#include <cuda_runtime.h>
+
 #include <cstdio>
 #include <vector>
 
@@ -242,6 +244,26 @@ TEST(CudaRewrites, EachFusionGivesTheUnfusedLogits) {
       EXPECT_LE(rel_l2(fused.data(), plain.data(), plain.size()), 1e-5) << what;
     }
   }
+}
+
+// FP8 GEMM mode asked for where it takes nothing (a bf16 checkpoint) says so when the weights load;
+// an FP8 checkpoint on a Hopper GPU loads without the warning.
+TEST(CudaFp8GemmMode, WarnsWhereItHasNoEffect) {
+  REQUIRE_GPU();
+  auto load_stderr = [](const std::string& c) {
+    CudaOptions o = opts();
+    o.fp8_gemm = true;
+    ModelOptions mo;
+    mo.max_seqs = 1, mo.max_len = 16;
+    ::testing::internal::CaptureStderr();
+    { Model m(Checkpoint::open(case_dir(c) + "/hf"), make_cuda_backend(o), mo); }
+    return ::testing::internal::GetCapturedStderr();
+  };
+  EXPECT_NE(load_stderr("v2lite_bf16").find("DSV3_CUDA_FP8_GEMM has no effect: the checkpoint has no FP8 weights"),
+            std::string::npos);
+  cudaDeviceProp prop{};
+  if (cudaGetDeviceProperties(&prop, 0) == cudaSuccess && prop.major == 9)
+    EXPECT_EQ(load_stderr("v3_fp8").find("DSV3_CUDA_FP8_GEMM"), std::string::npos);
 }
 
 }  // namespace

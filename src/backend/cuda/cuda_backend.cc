@@ -243,8 +243,10 @@ WeightPlacement CudaBackend::prepare_weights(const ModelArgs& args, ModelWeights
   on_device();
   ue8m0_ = args.scale_fmt == "ue8m0";
   size_t total = 0;
+  bool fp8 = false;  // FP8 weights (FP8 GEMM mode has products to take)
   for_each_tensor(w, [&](TensorView& t, TensorRole k) {
     if (!t.empty()) total += align256(size_t(t.numel()) * dtype_size(device_dtype(t, k)));
+    fp8 = fp8 || t.dtype == DType::F8_E4M3;
   });
   char* base = static_cast<char*>(device_bytes(total));
   size_t at = 0;
@@ -270,6 +272,9 @@ WeightPlacement CudaBackend::prepare_weights(const ModelArgs& args, ModelWeights
   w.owned.clear();
   WeightPlacement p;
   p.note = str("weights: ", double(int64_t(double(total) / 1e7)) / 100.0, " GB in GPU memory");
+  if (opt_.fp8_gemm && !(fp8 && wgmma_))
+    std::fprintf(stderr, "dsv3: warning: DSV3_CUDA_FP8_GEMM has no effect: %s\n",
+                 fp8 ? "its e4m3 products need a Hopper (sm_90) GPU" : "the checkpoint has no FP8 weights");
   p.off_checkpoint = true;
   return p;
 }
