@@ -27,9 +27,9 @@ constexpr int TN = 128, TK = 32;  // TK: K step of the mma.sync form (and tc_ok'
 template <bool WG>
 __host__ __device__ constexpr int kstep() { return WG ? 64 : 32; }
 // Stages: mma.sync 4; wgmma 3, or 4 when one MMA group stays in flight (ASYNC) without the lo part.
-// A8 (e4m3 activations): 4.
+// A8 (e4m3 activations): 6 (loads 5 stages ahead).
 template <bool WG, bool LO = true, bool ASYNC = false, bool A8 = false>
-__host__ __device__ constexpr int stages() { return WG ? (A8 || (ASYNC && !LO) ? 4 : 3) : 4; }
+__host__ __device__ constexpr int stages() { return WG ? (A8 ? 6 : ASYNC && !LO ? 4 : 3) : 4; }
 constexpr int kLdc = TN + 4;  // epilogue tile row
 // Per stage A hi, A lo when LO, B (bf16), and with F8 the e4m3 B staging tile; with A8 the e4m3
 // A and B tiles (128-byte rows) and the stage's activation scales; at least the epilogue's float
@@ -348,6 +348,16 @@ __global__ void __launch_bounds__(TM / WM * 64) tc_gemm_kernel(TcJob j) {
   }
   float* ct = reinterpret_cast<float*>(smem);  // the epilogue's tile [TM][kLdc], over the stages
   if constexpr (WG) {
+    // Stage kt in shared memory for every thread (and its cp.async writes visible to wgmma), and
+    // the load of stage kt + P issued into the buffer whose wgmmas are done.
+    auto open_stage = [&](int kt) {
+      cp_async_wait<P - 1>();
+      fence_proxy_async();
+      __syncthreads();
+      const int nx = kt + P;
+      if (nx < nk) load_stage(nx % kS, kt0 + nx);
+      cp_async_commit();
+    };
     // NT: SW's MMA columns (the tile's tokens rounded up to 32), else 128 (the weight rows). NA
     // accumulator floats per thread.
     auto wg_main = [&](auto ntc) {
@@ -362,56 +372,31 @@ __global__ void __launch_bounds__(TM / WM * 64) tc_gemm_kernel(TcJob j) {
         cp_async_wait<P - 1>();
         if (nk > 0) widen_stage(0);
       }
-      for (int kt = 0; kt < nk; ++kt) {
-        cp_async_wait<P - 1>();
-        fence_proxy_async();
-        __syncthreads();  // stage kt everywhere; the wgmma that read the refilled buffer finished
-        const int nx = kt + P;
-        if (nx < nk) load_stage(nx % kS, kt0 + nx);
-        cp_async_commit();
-        // this warpgroup's 64 rows: of A (tokens), or with SW of B (weight rows; the MMA's A)
-        const int st = kt % kS, wrow = (warp >> 2) * 64 * BKU;
-        const uint64_t dh = wg_desc(smem_addr(sA(st, 0) + (SW ? 0 : wrow))),
-                       dl = wg_desc(smem_addr(sA(st, 1) + (SW ? 0 : wrow))),
-                       db = wg_desc(smem_addr(sB(st) + (SW ? wrow : 0)));
-        float (&acc)[NA] = F8 ? dp : d;
-        // first K step of a 128-K block (A8: every stage is one)
-        const bool fresh = A8 || (F8 && (kt == 0 || ((kt0 + kt) & 1) == 0));
-#pragma unroll
-        for (int i = 0; i < NA; ++i) reg_fence(acc[i]);
-        wg_fence();
-#pragma unroll
-        for (int kk = 0; kk < 4; ++kk) {  // +32 bytes of each row (16 bf16 / 32 e4m3): +2 in the descriptor
-          if constexpr (A8) {
-            if constexpr (SW) wgmma_e4m3_64xN<NT>(acc, db + 2 * kk, dh + 2 * kk, !(fresh && kk == 0));
-            else wgmma_e4m3_64xN<128>(acc, dh + 2 * kk, db + 2 * kk, !(fresh && kk == 0));
-          } else if constexpr (SW) {
-            wgmma_64xN<NT>(acc, db + 2 * kk, dh + 2 * kk, !(fresh && kk == 0));
-            if (LO) wgmma_64xN<NT>(acc, db + 2 * kk, dl + 2 * kk, true);
-          } else {
-            wgmma_64x128x16(acc, dh + 2 * kk, db + 2 * kk, !(fresh && kk == 0));
-            if (LO) wgmma_64x128x16(acc, dl + 2 * kk, db + 2 * kk);
-          }
-        }
-        if constexpr (A8) {
-          wg_commit_wait<0>();
-        } else if constexpr (F8) {  // widen the next stage while the tensor cores work on this one
-          wg_commit_wait<1>();  // commit only: the group stays in flight
-          if (kt + 1 < nk) {
-            cp_async_wait<P - 1>();  // stage kt + 1 (this thread's chunks) landed
-            widen_stage((kt + 1) % kS);
-          }
-          wg_wait<0>();
-        } else {
-          wg_commit_wait<ASYNC ? 1 : 0>();
-        }
-#pragma unroll
-        for (int i = 0; i < NA; ++i) reg_fence(acc[i]);
-        if constexpr (A8) {
+      if constexpr (A8) {
+        // Each stage is one 128-K scale block: its MMAs write the partial sum dp, which is added
+        // into d times the weight block's scale and each token's scale. The weight scales are
+        // read before the MMAs are issued, so their latency hides behind them (the wait below
+        // is also a compiler barrier that no load moves across).
+        const int g = lane >> 2, t = lane & 3;
+        for (int kt = 0; kt < nk; ++kt) {
           const int64_t kb = (sc_col0 + int64_t(kt0 + kt) * BK) >> 7;
           const float s0 = sc0[kb], s1 = sc1[kb];
+          open_stage(kt);
+          const int st = kt % kS, wrow = (warp >> 2) * 64 * BKU;
+          const uint64_t da = wg_desc(smem_addr(sA(st, 0) + (SW ? 0 : wrow))),
+                         db = wg_desc(smem_addr(sB(st) + (SW ? wrow : 0)));
+#pragma unroll
+          for (int i = 0; i < NA; ++i) reg_fence(dp[i]);
+          wg_fence();
+#pragma unroll
+          for (int kk = 0; kk < 4; ++kk) {  // +32 bytes of each row: +2 in the descriptor
+            if constexpr (SW) wgmma_e4m3_64xN<NT>(dp, db + 2 * kk, da + 2 * kk, kk != 0);
+            else wgmma_e4m3_64xN<128>(dp, da + 2 * kk, db + 2 * kk, kk != 0);
+          }
+          wg_commit_wait<0>();
+#pragma unroll
+          for (int i = 0; i < NA; ++i) reg_fence(dp[i]);
           const float* as = sS(st);
-          const int g = lane >> 2, t = lane & 3;
           // accumulator i: MMA row 16 warp + g (+ 8 for i & 2), column 8 (i / 4) + 2 t + (i & 1); the
           // tokens are the rows, or with SW the columns
 #pragma unroll
@@ -419,13 +404,51 @@ __global__ void __launch_bounds__(TM / WM * 64) tc_gemm_kernel(TcJob j) {
             const float xs = SW ? as[(i >> 2) * 8 + 2 * t + (i & 1)] : as[warp * 16 + g + (i & 2) * 4];
             d[i] = fmaf(dp[i], ((SW ? warp < 4 : i < 32) ? s0 : s1) * xs, d[i]);
           }
-        } else if constexpr (F8) {
-          if (((kt0 + kt) & 1) == 1 || kt == nk - 1) {
-            const int64_t kb = (sc_col0 + int64_t(kt0 + kt) * BK) >> 7;
-            const float s0 = sc0[kb], s1 = sc1[kb];
-            // weight rows 0-63 of the tile take s0, 64-127 s1: SW by warpgroup, else columns 8 (i / 4) + ...
+        }
+      } else {
+        for (int kt = 0; kt < nk; ++kt) {
+          open_stage(kt);
+          // this warpgroup's 64 rows: of A (tokens), or with SW of B (weight rows; the MMA's A)
+          const int st = kt % kS, wrow = (warp >> 2) * 64 * BKU;
+          const uint64_t dh = wg_desc(smem_addr(sA(st, 0) + (SW ? 0 : wrow))),
+                         dl = wg_desc(smem_addr(sA(st, 1) + (SW ? 0 : wrow))),
+                         db = wg_desc(smem_addr(sB(st) + (SW ? wrow : 0)));
+          float (&acc)[NA] = F8 ? dp : d;
+          // first K step of a 128-K block
+          const bool fresh = F8 && (kt == 0 || ((kt0 + kt) & 1) == 0);
 #pragma unroll
-            for (int i = 0; i < NA; ++i) d[i] = fmaf(dp[i], (SW ? warp < 4 : i < 32) ? s0 : s1, d[i]);
+          for (int i = 0; i < NA; ++i) reg_fence(acc[i]);
+          wg_fence();
+#pragma unroll
+          for (int kk = 0; kk < 4; ++kk) {  // +32 bytes of each row (16 bf16 / 32 e4m3): +2 in the descriptor
+            if constexpr (SW) {
+              wgmma_64xN<NT>(acc, db + 2 * kk, dh + 2 * kk, !(fresh && kk == 0));
+              if (LO) wgmma_64xN<NT>(acc, db + 2 * kk, dl + 2 * kk, true);
+            } else {
+              wgmma_64x128x16(acc, dh + 2 * kk, db + 2 * kk, !(fresh && kk == 0));
+              if (LO) wgmma_64x128x16(acc, dl + 2 * kk, db + 2 * kk);
+            }
+          }
+          if constexpr (F8) {  // widen the next stage while the tensor cores work on this one
+            wg_commit_wait<1>();  // commit only: the group stays in flight
+            if (kt + 1 < nk) {
+              cp_async_wait<P - 1>();  // stage kt + 1 (this thread's chunks) landed
+              widen_stage((kt + 1) % kS);
+            }
+            wg_wait<0>();
+          } else {
+            wg_commit_wait<ASYNC ? 1 : 0>();
+          }
+#pragma unroll
+          for (int i = 0; i < NA; ++i) reg_fence(acc[i]);
+          if constexpr (F8) {
+            if (((kt0 + kt) & 1) == 1 || kt == nk - 1) {
+              const int64_t kb = (sc_col0 + int64_t(kt0 + kt) * BK) >> 7;
+              const float s0 = sc0[kb], s1 = sc1[kb];
+              // weight rows 0-63 of the tile take s0, 64-127 s1: SW by warpgroup, else columns 8 (i / 4) + ...
+#pragma unroll
+              for (int i = 0; i < NA; ++i) d[i] = fmaf(dp[i], (SW ? warp < 4 : i < 32) ? s0 : s1, d[i]);
+            }
           }
         }
       }
