@@ -95,7 +95,11 @@ TEST(CudaOps, MlaMatchesRef) {
 TEST(CudaOps, MlaLongRunMatchesRef) {
   REQUIRE_GPU();
   auto ref = make_ref_backend();
-  for (bool fast : {false, true}) {
+  // Modes: 0 float32-grade; 1 fast mode; 2 fast mode over a bf16 cache (LayerCache::bf16, as the
+  // backend keeps it in fast mode): the ref runs on the rounded rows, the rows written come back
+  // rounded, the 20 singles of layout 1 take the tensor-core many-token kernel.
+  for (int mode : {0, 1, 2}) {
+    const bool fast = mode > 0, b16 = mode == 2;
     auto cuda = make_cuda_backend(opts(fast, 0, false, 1));
     for (std::string c : {"v2lite_bf16", "v2_groups_bf16"}) {
       TwoWeights W(c, *cuda);
@@ -124,24 +128,29 @@ TEST(CudaOps, MlaLongRunMatchesRef) {
         const Step st = paged.step(tp);
         const size_t rows = size_t(paged.rows());
         std::vector<float> c1 = randn(rows * size_t(C), 31), c2 = randn(rows * size_t(R), 32);
+        if (b16) c1 = rounded_bf16(c1), c2 = rounded_bf16(c2);
         std::vector<float> q = randn(size_t(n * H * qk), 33), kv = randn(size_t(n * (C + R)), 34);
         std::vector<float> rc1 = c1, rc2 = c2, rq = q, rkv = kv, rout(size_t(n * H * V));
         LayerCache rcache;
         rcache.kv = rc1.data(), rcache.pe = rc2.data();
         ref->mla({&a, AttnImpl::kAbsorb, &W.host.layers[1].attn, &hrope, &st, &rcache, rq.data(), rkv.data(),
                   rout.data()});
-        Dev d1(*cuda, c1), d2(*cuda, c2), dq(*cuda, q), dkv(*cuda, kv), dout(*cuda, size_t(n * H * V));
+        Dev d1(*cuda, b16 ? bf16_words(c1) : c1), d2(*cuda, b16 ? bf16_words(c2) : c2), dq(*cuda, q), dkv(*cuda, kv),
+            dout(*cuda, size_t(n * H * V));
         LayerCache dcache;
-        dcache.kv = d1.p, dcache.pe = d2.p;
+        dcache.kv = d1.p, dcache.pe = d2.p, dcache.bf16 = b16;
         cuda->mla({&a, AttnImpl::kAbsorb, &W.dev.layers[1].attn, &drope, &st, &dcache, dq.p, dkv.p, dout.p});
         const double tol = fast ? 1e-2 : 5e-5;  // fast: scores and values on bf16 tensor cores
-        const std::string what = c + (fast ? " fast" : "") + " layout " + std::to_string(layout);
+        const std::string what = c + " mode " + std::to_string(mode) + " layout " + std::to_string(layout);
         EXPECT_LE(rel_l2(dout.get().data(), rout.data(), rout.size()), tol) << what;
         // (the singles alone: their rows must hold too, not only the step's norm)
         const size_t singles = size_t(layout == 0 ? 1 : 20) * size_t(H * V);
-        EXPECT_LE(rel_l2(dout.get().data(), rout.data(), singles), 5e-5) << what << " singles";
-        EXPECT_LE(rel_l2(d1.get().data(), rc1.data(), rc1.size()), 5e-5) << what << " cache kv";
-        EXPECT_LE(rel_l2(d2.get().data(), rc2.data(), rc2.size()), 5e-5) << what << " cache pe";
+        EXPECT_LE(rel_l2(dout.get().data(), rout.data(), singles), b16 ? 1e-2 : 5e-5) << what << " singles";
+        // (a bf16 cache: the written rows rounded, about 2^-9 relative each)
+        const std::vector<float> got1 = b16 ? from_bf16_words(d1.get()) : d1.get(),
+                                 got2 = b16 ? from_bf16_words(d2.get()) : d2.get();
+        EXPECT_LE(rel_l2(got1.data(), rc1.data(), rc1.size()), b16 ? 3e-3 : 5e-5) << what << " cache kv";
+        EXPECT_LE(rel_l2(got2.data(), rc2.data(), rc2.size()), b16 ? 3e-3 : 5e-5) << what << " cache pe";
       }
     }
   }
@@ -241,19 +250,23 @@ TEST(CudaOps, DecodeAttentionMatchesFloat64) {
 }
 
 // The many-token decode attention (serving batches) against double on the host: 40 tokens of
-// 40 sequences at positions around tile (32) and block (16) edges, the first and the last cache
-// position, through interleaved block tables; its own split count, 3 splits and none; the
-// 16B shape's heads and latent, and a small shape with 20 heads (a second, partial head group).
+// 40 sequences at positions around tile (16, 32) and block (16) edges, the first and the last
+// cache position, through interleaved block tables; its own split count, 3 splits and none; the
+// 16B shape's heads and latent, a small shape with 20 heads (a second, partial head group) and
+// the golden cases' latent with 4 heads. Three caches: float32; bf16 on the float32 kernel (the
+// twin: float64 on the rounded rows within 1e-5); bf16 on the tensor-core kernel where its shape
+// allows (bf16 queries and weights: the reference's bf16 error).
 TEST(CudaOps, ManyTokenAttentionMatchesFloat64) {
   REQUIRE_GPU();
   auto cuda = make_cuda_backend(opts());
-  for (int shape = 0; shape < 2; ++shape) {
+  for (int shape = 0; shape < 3; ++shape) {
     const test::Paged paged(40, shape == 0 ? 1024 : 256);
     const KvView kvv = paged.view();
     DevTables tables(*cuda, paged);
     cuda::MlaDims d;
     if (shape == 0) d.H = 16, d.nope = 128, d.R = 64, d.C = 512, d.V = 128, d.scale = 0.0721f;
-    else d.H = 20, d.nope = 16, d.R = 8, d.C = 32, d.V = 16, d.scale = 0.25f;
+    else if (shape == 1) d.H = 20, d.nope = 16, d.R = 8, d.C = 32, d.V = 16, d.scale = 0.25f;
+    else d.H = 4, d.nope = 32, d.R = 16, d.C = 128, d.V = 32, d.scale = 0.144f;
     tables.set(d, paged);
     std::vector<cuda::DevPos> tp;
     const int32_t last = int32_t(paged.width * paged.block - 1);
@@ -264,30 +277,80 @@ TEST(CudaOps, ManyTokenAttentionMatchesFloat64) {
     const std::vector<float> qa = randn(size_t(n * H * C), 61), q = randn(size_t(n * H * qk), 62),
                              ckv = randn(size_t(paged.rows() * C), 63, 0.5f),
                              cpe = randn(size_t(paged.rows() * R), 64, 0.5f);
-    const std::vector<float> want = absorbed_attention_f64(d, kvv, tp, qa, q, ckv, cpe);
-    Dev dqa(*cuda, qa), dq(*cuda, q), dkv(*cuda, ckv), dpe(*cuda, cpe);
-    Dev dpos(*cuda, pos_words(tp.data(), tp.size()));
+    Dev dqa(*cuda, qa), dq(*cuda, q), dpos(*cuda, pos_words(tp.data(), tp.size()));
     int64_t len_max = 0;
     for (const cuda::DevPos& t : tp) len_max = std::max<int64_t>(len_max, t.pos + 1);
-    // Splits over max_len (as a recorded step) or over the step's longest length.
-    for (auto [ns, lm] : {std::pair{cuda::mla_many_splits(d, n, 0), int64_t(0)}, {3, 0}, {1, 0},
-                          {cuda::mla_many_splits(d, n, len_max), len_max}, {2, len_max}}) {
-      Dev part(*cuda, size_t(ns * n * H * C)), ml(*cuda, size_t(ns * n * H * 2));
-      Dev out(*cuda, std::vector<float>(want.size(), std::nanf("")));
-      cuda::DecodeAttn da;
-      da.qa = dqa.p, da.q = dq.p, da.cache_kv = dkv.p, da.cache_pe = dpe.p, da.nsplit = ns, da.part = part.p;
-      da.ml = ml.p, da.ol = out.p, da.len_max = lm;
-      cuda::Launch L;
-      cuda::mla_decode_many(L, d, reinterpret_cast<const cuda::DevPos*>(dpos.p), n, da);
-      ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
-      const std::vector<float> got = out.get();
-      for (size_t e = 0; e < got.size(); ++e) ASSERT_TRUE(std::isfinite(got[e])) << "unwritten or NaN at " << e;
-      const std::string what = str("shape ", shape, ", ", ns, " splits over ", lm ? lm : d.max_len, " positions");
-      EXPECT_LE(rel_l2(got.data(), want.data(), got.size()), 1e-5) << what;
-      for (int64_t i = 0; i < n; ++i)  // each token on its own, so no token's error hides in the others'
-        EXPECT_LE(rel_l2(got.data() + i * H * C, want.data() + i * H * C, size_t(H * C)), 2e-5)
-            << what << ", token " << i << " at " << tp[size_t(i)].pos;
+    for (int cache = 0; cache < 3; ++cache) {  // float32, bf16 on the twin, bf16 on tensor cores
+      d.kv16 = cache > 0;
+      const bool tc = cache == 2 && cuda::mla_many_tc_ok(d);
+      if (cache == 2 && shape != 1) EXPECT_TRUE(tc) << "shape " << shape << " is meant for the tensor-core kernel";
+      const std::vector<float> want =
+          d.kv16 ? absorbed_attention_f64(d, kvv, tp, qa, q, rounded_bf16(ckv), rounded_bf16(cpe))
+                 : absorbed_attention_f64(d, kvv, tp, qa, q, ckv, cpe);
+      Dev dkv(*cuda, d.kv16 ? bf16_words(ckv) : ckv), dpe(*cuda, d.kv16 ? bf16_words(cpe) : cpe);
+      // Splits over max_len (as a recorded step) or over the step's longest length.
+      for (auto [ns, lm] : {std::pair{cuda::mla_many_splits(d, n, 0), int64_t(0)}, {3, 0}, {1, 0},
+                            {cuda::mla_many_splits(d, n, len_max), len_max}, {2, len_max}}) {
+        Dev part(*cuda, size_t(ns * n * H * C)), ml(*cuda, size_t(ns * n * H * 2));
+        Dev out(*cuda, std::vector<float>(want.size(), std::nanf("")));
+        cuda::DecodeAttn da;
+        da.qa = dqa.p, da.q = dq.p, da.cache_kv = dkv.p, da.cache_pe = dpe.p, da.nsplit = ns, da.part = part.p;
+        da.ml = ml.p, da.ol = out.p, da.len_max = lm, da.simple = cache == 1;
+        cuda::Launch L;
+        cuda::mla_decode_many(L, d, reinterpret_cast<const cuda::DevPos*>(dpos.p), n, da);
+        ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+        const std::vector<float> got = out.get();
+        for (size_t e = 0; e < got.size(); ++e) ASSERT_TRUE(std::isfinite(got[e])) << "unwritten or NaN at " << e;
+        const std::string what = str("shape ", shape, ", cache ", cache, ", ", ns, " splits over ", lm ? lm : d.max_len,
+                                     " positions");
+        const double err = rel_l2(got.data(), want.data(), got.size());
+        if (tc) std::printf("[ tc many ] %s: rel l2 %.3g\n", what.c_str(), err);
+        EXPECT_LE(err, tc ? 1e-2 : 1e-5) << what;
+        for (int64_t i = 0; i < n; ++i)  // each token on its own, so no token's error hides in the others'
+          EXPECT_LE(rel_l2(got.data() + i * H * C, want.data() + i * H * C, size_t(H * C)), tc ? 2e-2 : 2e-5)
+              << what << ", token " << i << " at " << tp[size_t(i)].pos;
+      }
     }
+  }
+}
+
+// The one-launch decode attention and the score / value kernels over a bf16 cache: float64 on
+// the rounded rows (the kernels widen them; every sum stays float32).
+TEST(CudaOps, DecodeAttentionOnBf16Cache) {
+  REQUIRE_GPU();
+  auto cuda = make_cuda_backend(opts());
+  const test::Paged paged(4, 512);
+  const KvView kvv = paged.view();
+  DevTables tables(*cuda, paged);
+  cuda::MlaDims d;
+  d.H = 16, d.nope = 128, d.R = 64, d.C = 512, d.V = 128, d.scale = 0.0721f, d.kv16 = true;
+  tables.set(d, paged);
+  const std::vector<cuda::DevPos> tp = {{0, 0}, {1, 300}, {2, 511}, {3, 40}};
+  const int64_t n = int64_t(tp.size()), H = d.H, C = d.C, R = d.R, qk = d.qk();
+  const std::vector<float> qa = randn(size_t(n * H * C), 71), q = randn(size_t(n * H * qk), 72),
+                           ckv = randn(size_t(paged.rows() * C), 73, 0.5f), cpe = randn(size_t(paged.rows() * R), 74, 0.5f);
+  const std::vector<float> want = absorbed_attention_f64(d, kvv, tp, qa, q, rounded_bf16(ckv), rounded_bf16(cpe));
+  Dev dqa(*cuda, qa), dq(*cuda, q), dkv(*cuda, bf16_words(ckv)), dpe(*cuda, bf16_words(cpe)), cnt(*cuda, 4096);
+  Dev dpos(*cuda, pos_words(tp.data(), tp.size()));
+  const cuda::DevPos* pp = reinterpret_cast<const cuda::DevPos*>(dpos.p);
+  for (int form = 0; form < 2; ++form) {  // one launch; scores then values
+    const int ns = form == 0 ? cuda::mla_decode_splits(d, n) : cuda::mla_splits(d, n);
+    Dev part(*cuda, size_t(ns * n * H * C)), ml(*cuda, size_t(ns * n * H * 2));
+    Dev out(*cuda, std::vector<float>(want.size(), std::nanf(""))), S(*cuda, size_t(n * H * d.max_len));
+    cuda::DecodeAttn da;
+    da.qa = dqa.p, da.q = dq.p, da.cache_kv = dkv.p, da.cache_pe = dpe.p, da.nsplit = ns, da.part = part.p;
+    da.ml = ml.p, da.counters = reinterpret_cast<unsigned*>(cnt.p), da.ol = out.p;
+    cuda::Launch L;
+    if (form == 0) {
+      cuda::mla_decode_attn(L, d, pp, n, da);
+    } else {
+      cuda::mla_scores(L, d, pp, n, da, S.p);
+      cuda::mla_values(L, d, pp, n, S.p, da);
+    }
+    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    const std::vector<float> got = out.get();
+    for (size_t e = 0; e < got.size(); ++e) ASSERT_TRUE(std::isfinite(got[e])) << "unwritten or NaN at " << e;
+    EXPECT_LE(rel_l2(got.data(), want.data(), got.size()), 1e-5) << (form == 0 ? "one launch" : "scores, values");
   }
 }
 

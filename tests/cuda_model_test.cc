@@ -117,6 +117,11 @@ TEST_P(CudaGolden, EveryStepMatchesFp32Logits) {
   mo.max_seqs = 4;
   Model model(Checkpoint::open(case_dir(p.name) + "/hf"), make_cuda_backend(o), mo);
   const int V = model.args().vocab_size;
+  // Fast mode keeps the absorbed form's cache rows in bf16 (the reference's kv_cache and pe_cache),
+  // half the bytes a position takes in float32; the naive form's K and V stay float32.
+  const bool b16 = p.variant == 2 && p.attn == AttnImpl::kAbsorb;
+  EXPECT_EQ(model.kv_cache().bf16(), b16);
+  EXPECT_EQ(model.kv_cache().position_bytes() * (b16 ? 2 : 1), KvCache::bytes_per_position(model.args(), p.attn));
   std::vector<double> errs, step_errs;  // per row; per step (over its rows, as golden/README.md's table)
   int agree = 0, total = 0;
   for (int s = 0;; ++s) {

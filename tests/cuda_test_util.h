@@ -16,6 +16,7 @@
 #include "backend/cuda/cuda_backend.h"
 #include "backend/cuda/kernels.h"
 #include "backend/ref/fp8.h"
+#include "core/dtype.h"
 #include "golden_util.h"
 #include "io/checkpoint.h"
 #include "paged_util.h"
@@ -180,6 +181,30 @@ inline TensorView to_device(Backend& be, const TensorView& t) {
 }
 
 // n (slot, pos) pairs as the float words a Dev buffer uploads (the kernels read them as DevPos).
+// A bf16 cache (LayerCache::bf16) as the floats that hold it: x rounded to bf16, two per float
+// (x.size() even); from_bf16_words reads such words back; rounded_bf16: x as the cache holds it.
+inline std::vector<float> bf16_words(const std::vector<float>& x) {
+  std::vector<float> w(x.size() / 2);
+  for (size_t i = 0; i < w.size(); ++i) {
+    const uint32_t u = uint32_t(f32_to_bf16(x[2 * i])) | uint32_t(f32_to_bf16(x[2 * i + 1])) << 16;
+    std::memcpy(&w[i], &u, 4);
+  }
+  return w;
+}
+inline std::vector<float> from_bf16_words(const std::vector<float>& w) {
+  std::vector<float> x(2 * w.size());
+  for (size_t i = 0; i < w.size(); ++i) {
+    uint32_t u;
+    std::memcpy(&u, &w[i], 4);
+    x[2 * i] = bf16_to_f32(uint16_t(u & 0xffff)), x[2 * i + 1] = bf16_to_f32(uint16_t(u >> 16));
+  }
+  return x;
+}
+inline std::vector<float> rounded_bf16(std::vector<float> x) {
+  for (float& v : x) v = round_bf16(v);
+  return x;
+}
+
 inline std::vector<float> pos_words(const cuda::DevPos* p, size_t n) {
   const float* w = reinterpret_cast<const float*>(p);
   return std::vector<float>(w, w + 2 * n);

@@ -70,6 +70,9 @@ class Backend {
   // Bytes a device backend has free for more buffers (the KV cache's default capacity); -1 for
   // host memory (allocations there cost nothing until touched).
   virtual int64_t device_free_bytes() const { return -1; }
+  // Whether the absorbed attention's cache rows (latent and rope key) are kept in bf16, as the
+  // reference's kv_cache / pe_cache are (LayerCache::bf16); default float32.
+  virtual bool bf16_latent_cache() const { return false; }
 
   // Runs one step: the graph's nodes in order over `step`. `after` (optional) is called after
   // every node with the index of its last op (debug taps; a backend does not record such a run).

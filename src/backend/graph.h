@@ -24,12 +24,14 @@ struct TokenPos {
 };
 
 // One layer's paged cache: `n_blocks * block` rows, row r of a sequence's position p being
-// KvView::row(slot, p). Float32.
+// KvView::row(slot, p). Float32, or (absorbed, Backend::bf16_latent_cache) bf16: kv and pe then
+// hold two bf16 values per float slot, row r at element r * kv_lora_rank (r * qk_rope_head_dim).
 struct LayerCache {
   float* kv = nullptr;  // absorbed: [rows, kv_lora_rank] (kv_norm(latent))
   float* pe = nullptr;  // absorbed: [rows, qk_rope_head_dim] (roped key)
   float* k = nullptr;   // naive: [rows, n_heads, qk_head_dim]
   float* v = nullptr;   // naive: [rows, n_heads, v_head_dim]
+  bool bf16 = false;    // kv and pe hold bf16 rows
 };
 
 // The block tables of a step's sequences (host memory): row s, logical block b -> physical block.

@@ -6,23 +6,28 @@
 
 namespace dsv3 {
 
-int64_t KvCache::bytes_per_position(const ModelArgs& a, AttnImpl attn) {
-  const int64_t per_layer = attn == AttnImpl::kAbsorb ? a.kv_lora_rank + a.qk_rope_head_dim
-                                                      : int64_t(a.n_heads) * (a.qk_head_dim() + a.v_head_dim);
-  return per_layer * int64_t(sizeof(float)) * a.n_layers;
+int64_t KvCache::bytes_per_position(const ModelArgs& a, AttnImpl attn, bool bf16_latent) {
+  if (attn == AttnImpl::kAbsorb)
+    return int64_t(a.kv_lora_rank + a.qk_rope_head_dim) * (bf16_latent ? 2 : 4) * a.n_layers;
+  return int64_t(a.n_heads) * (a.qk_head_dim() + a.v_head_dim) * int64_t(sizeof(float)) * a.n_layers;
 }
 
 KvCache::KvCache(const ModelArgs& a, Backend& be, const Options& o) : be_(be), opt_(o) {
   if (o.block <= 0 || (o.block & (o.block - 1)) != 0) fail("KV cache: block of ", o.block, " positions (a power of two)");
   if (o.n_blocks <= 0 || o.n_blocks > INT32_MAX) fail("KV cache: ", o.n_blocks, " blocks");
   if (o.max_len <= 0) fail("KV cache: a sequence of ", o.max_len, " positions");
-  pos_bytes_ = bytes_per_position(a, o.attn);
-  const size_t rows = size_t(o.n_blocks) * size_t(o.block);
+  bf16_ = o.attn == AttnImpl::kAbsorb && be.bf16_latent_cache();
+  if (bf16_ && (a.kv_lora_rank % 2 != 0 || a.qk_rope_head_dim % 2 != 0))
+    fail("KV cache: bf16 rows need an even kv_lora_rank and qk_rope_head_dim, got ", a.kv_lora_rank, " and ",
+         a.qk_rope_head_dim);
+  pos_bytes_ = bytes_per_position(a, o.attn, bf16_);
+  const size_t rows = size_t(o.n_blocks) * size_t(o.block), per = bf16_ ? 2 : 1;  // values per float slot
   layers_.resize(size_t(a.n_layers));
   for (LayerCache& c : layers_) {
     if (o.attn == AttnImpl::kAbsorb) {
-      c.kv = be_.alloc(rows * size_t(a.kv_lora_rank));
-      c.pe = be_.alloc(rows * size_t(a.qk_rope_head_dim));
+      c.kv = be_.alloc(rows * size_t(a.kv_lora_rank) / per);
+      c.pe = be_.alloc(rows * size_t(a.qk_rope_head_dim) / per);
+      c.bf16 = bf16_;
     } else {
       c.k = be_.alloc(rows * size_t(a.n_heads) * size_t(a.qk_head_dim()));
       c.v = be_.alloc(rows * size_t(a.n_heads) * size_t(a.v_head_dim));

@@ -31,9 +31,9 @@ class KvCache {
     int64_t n_blocks = 0;  // blocks in the pool (> 0)
     int max_len = 0;       // positions one sequence may reach (> 0)
   };
-  // Bytes one position takes over all layers (float32 latent + rope key for absorbed MLA, full K
-  // and V for naive).
-  static int64_t bytes_per_position(const ModelArgs& a, AttnImpl attn);
+  // Bytes one position takes over all layers (the latent + rope key for absorbed MLA, float32 or
+  // with bf16_latent bf16; full float32 K and V for naive).
+  static int64_t bytes_per_position(const ModelArgs& a, AttnImpl attn, bool bf16_latent = false);
 
   KvCache(const ModelArgs& a, Backend& be, const Options& o);
   ~KvCache();
@@ -51,6 +51,8 @@ class KvCache {
   int64_t used_blocks() const { return n_blocks() - free_blocks(); }  // held by a sequence
   int64_t cached_blocks() const { return int64_t(lru_.size()); }    // unreferenced, in the prefix cache
   int64_t bytes() const;
+  int64_t position_bytes() const { return pos_bytes_; }  // bytes_per_position of this cache
+  bool bf16() const { return bf16_; }                    // its rows are bf16 (LayerCache::bf16)
 
   // Blocks, counted: take() gives a block with one reference: a free one, else the least recently
   // used unreferenced cached one (forgotten by the prefix cache); -1 when every block is held.
@@ -90,6 +92,7 @@ class KvCache {
   Backend& be_;
   Options opt_;
   int64_t pos_bytes_ = 0;
+  bool bf16_ = false;
   std::vector<LayerCache> layers_;
   std::vector<int32_t> refs_;  // [n_blocks]
   std::vector<int32_t> free_;  // free blocks, the most recently freed last (taken first)

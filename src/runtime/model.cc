@@ -69,7 +69,7 @@ void Model::init() {
   if (opt_.kv_cache_gb < 0) fail("--kv-cache-gb must not be negative, got ", opt_.kv_cache_gb);
   KvCache::Options co;
   co.attn = opt_.attn, co.block = opt_.kv_block, co.max_len = opt_.max_len;
-  const int64_t per_block = KvCache::bytes_per_position(local_, opt_.attn) * co.block;
+  const int64_t per_block = KvCache::bytes_per_position(local_, opt_.attn, be_->bf16_latent_cache()) * co.block;
   const int64_t width = (opt_.max_len + co.block - 1) / co.block;
   if (opt_.kv_cache_gb > 0) {
     co.n_blocks = int64_t(opt_.kv_cache_gb * 1e9) / per_block;

@@ -322,7 +322,7 @@ int run_bench(int argc, char** argv) {
     const double E = a.n_routed_experts, K = a.n_activated_experts;
     const double experts_per_layer =
         measured ? double(run) / double(probe) / double(std::max<int64_t>(1, n_moe)) : E * (1 - std::pow(1 - K / E, B));
-    const double kv_bytes = double(B) * (double(ctx) + double(gen) / 2) * double(KvCache::bytes_per_position(a, opt.attn));
+    const double kv_bytes = double(B) * (double(ctx) + double(gen) / 2) * double(model.kv_cache().position_bytes());
     const double bytes = double(fixed_bytes) + experts_per_layer * double(n_moe) * double(expert_bytes) + kv_bytes;
     const double floor_tok_s = double(B) / (bytes / (bw * 1e9));
     const double step_ms = 1e3 * secs / (double(gs.generated_tokens) / B);

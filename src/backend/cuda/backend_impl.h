@@ -79,6 +79,7 @@ class CudaBackend final : public Backend {
   void download(float* host, const float* src, size_t n) override;
   WeightPlacement prepare_weights(const ModelArgs& args, ModelWeights& w, const WeightMemory& m = {}) override;
   int64_t device_free_bytes() const override;
+  bool bf16_latent_cache() const override { return opt_.fast; }  // fast mode: the reference's bf16 cache rows
   ModelWeights random_weights(const ModelArgs& a, uint64_t seed, const Shard& shard);
   int64_t routed_experts_run() const override;
   void reset_counters() override;

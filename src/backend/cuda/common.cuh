@@ -244,6 +244,15 @@ __device__ __forceinline__ void split_bf16(float x, __nv_bfloat16* hi, __nv_bflo
   if (lo) lo[i] = __float2bfloat16_rn(x - __bfloat162float(h));
 }
 
+// Element `idx` of an absorbed cache (LayerCache::kv / pe), float32 or bf16 (MlaDims::kv16), and
+// its write (bf16: rounded to nearest even, as the reference's bf16 kv_cache holds it).
+__device__ __forceinline__ float cache_get(const float* c, bool kv16, int64_t idx) {
+  return kv16 ? bf16_bits(reinterpret_cast<const uint16_t*>(c)[idx]) : c[idx];
+}
+__device__ __forceinline__ void cache_put(float* c, bool kv16, int64_t idx, float v) {
+  if (kv16) reinterpret_cast<__nv_bfloat16*>(c)[idx] = __float2bfloat16_rn(v);
+  else c[idx] = v;
+}
 __device__ __forceinline__ float silu(float x) { return x / (1.f + expf(-x)); }
 
 template <int WT>

@@ -63,6 +63,7 @@ cuda::MlaDims CudaBackend::mla_dims(const MlaCall& c, const DevPos** pos) {
   d.H = a.n_heads, d.nope = a.qk_nope_head_dim, d.R = a.qk_rope_head_dim, d.C = a.kv_lora_rank;
   d.V = a.v_head_dim, d.max_len = kv.max_len(), d.scale = a.softmax_scale(), d.eps = a.rms_norm_eps;
   d.table = step_table(*c.step), d.table_w = kv.width, d.block_shift = log2_exact(kv.block);
+  d.kv16 = c.cache->bf16;
   DSV3_CHECK(kv.max_len() <= int64_t(c.rope->n_positions) + kv.block, "rope table shorter than the cache");
   *pos = step_pos(*c.step);
   return d;

@@ -386,6 +386,7 @@ struct MlaDims {
   const int32_t* table = nullptr;  // [sequences, table_w] (device)
   int64_t table_w = 0;
   int block_shift = 6;
+  bool kv16 = false;  // the absorbed cache rows are bf16 (LayerCache::bf16; cache_get / cache_put in common.cuh)
   DSV3_HD int qk() const { return nope + R; }
   DSV3_HD int64_t row(int32_t slot, int64_t t) const {
     return (int64_t(table[slot * table_w + (t >> block_shift)]) << block_shift) + (t & ((int64_t(1) << block_shift) - 1));
@@ -451,6 +452,7 @@ struct DecodeAttn {
   int hb = 2;
   bool combine = true;  // false: with several splits only part and ml are written (gemv_splits combines them)
   int64_t len_max = 0;  // mla_decode_many: positions no token of the step passes (its splits' size; 0: max_len)
+  bool simple = false;  // mla_decode_many: the float32 kernel even where the tensor-core one applies (its twin; tests)
 };
 // S[i, h, t] = (qa[i,h]·kv[t] + q_pe[i,h]·pe[t]) * scale for t <= pos_i (S rows max_len long),
 // from a.qa, a.q, a.cache_kv, a.cache_pe.
@@ -473,13 +475,19 @@ bool mla_decode_ok(const MlaDims& d, int64_t n, int64_t counters, int hb = 2);
 int mla_decode_splits(const MlaDims& d, int64_t n, int cap = 0, int hb = 2);
 void mla_decode_attn(const Launch& L, const MlaDims& d, const DevPos* pos, int64_t n, const DecodeAttn& a);
 // The same attention for any number of tokens (serving batches; kernels_mla.cu): a block per
-// (token, 16 heads, position split) stages 32 cache rows at a time in shared memory for all its
+// (token, 16 heads, position split) stages tiles of cache rows in shared memory for all its
 // heads. Uses a.qa, q, cache_kv, cache_pe, nsplit (mla_many_splits for the same len_max), len_max,
-// part and ml (nsplit > 1; combined by a second launch) and ol. A recorded step must pass
+// part and ml (nsplit > 1; combined by a second launch), ol and simple. A recorded step must pass
 // len_max = 0 (its splits then cover max_len). mla_many_ok: C and R multiples of 4, C <= 512.
+// A bf16 cache (d.kv16) of the shapes mla_many_tc_ok takes runs on tensor cores (mla_many_tc,
+// kernels_mla_many.cu: bf16 products, float32 sums); other shapes and a.simple on float32 FMAs.
 bool mla_many_ok(const MlaDims& d);
 int mla_many_splits(const MlaDims& d, int64_t n, int64_t len_max);
 void mla_decode_many(const Launch& L, const MlaDims& d, const DevPos* pos, int64_t n, const DecodeAttn& a);
+constexpr int kManyTcRows = 32;  // cache rows per tile of mla_many_tc (its splits: whole tiles)
+// d.kv16, C a multiple of 64 up to 512, R a multiple of 16.
+bool mla_many_tc_ok(const MlaDims& d);
+void mla_many_tc(const Launch& L, const MlaDims& d, const DevPos* pos, int64_t n, const DecodeAttn& a, int64_t chunk);
 // Naive: k_nope and v of the new tokens from kvb [n, H * (nope + V)] into the caches.
 void mla_naive_store(const Launch& L, const MlaDims& d, const DevPos* pos, int64_t n, const float* kvb,
                      float* cache_k, float* cache_v);

@@ -53,14 +53,17 @@ __device__ void prep_token(const PrepArgs& P, int64_t i, float* red) {
   for (int c = threadIdx.x; c < d.C; c += blockDim.x) ss += kvi[c] * kvi[c];
   ss = block_sum(ss, red);
   const float r = 1.f / sqrtf(ss / float(d.C) + d.eps);
-  float* dst = naive ? latent + i * d.C : cache_kv + row * d.C;
-  for (int c = threadIdx.x; c < d.C; c += blockDim.x) dst[c] = kvi[c] * r * nw[c];
+  for (int c = threadIdx.x; c < d.C; c += blockDim.x) {
+    const float x = kvi[c] * r * nw[c];
+    if (naive) latent[i * d.C + c] = x;
+    else cache_put(cache_kv, d.kv16, row * d.C + c, x);
+  }
   for (int j = threadIdx.x; j < half; j += blockDim.x) {
     const float a = kvi[d.C + 2 * j], b = kvi[d.C + 2 * j + 1], c = cs[2 * j], s = cs[2 * j + 1];
     const float x0 = a * c - b * s, x1 = a * s + b * c;
     if (!naive) {
-      cache_pe[row * d.R + 2 * j] = x0;
-      cache_pe[row * d.R + 2 * j + 1] = x1;
+      cache_put(cache_pe, d.kv16, row * d.R + 2 * j, x0);
+      cache_put(cache_pe, d.kv16, row * d.R + 2 * j + 1, x1);
     } else {
       for (int h = 0; h < d.H; ++h) {
         float* k = cache_k + (row * d.H + h) * qk + d.nope;
@@ -389,7 +392,9 @@ __global__ void __launch_bounds__(256) scores_kernel(MlaDims d, const DevPos* __
 #pragma unroll
       for (int m = 0; m < kMaxJ; ++m) {
         const int j = lane + 32 * m;
-        kr[g][m] = t >= len ? 0.f : (j < d.C ? ckv[rp * d.C + j] : (j < CR ? cpe[rp * d.R + (j - d.C)] : 0.f));
+        kr[g][m] = t >= len ? 0.f
+                   : (j < d.C ? cache_get(ckv, d.kv16, rp * d.C + j)
+                              : (j < CR ? cache_get(cpe, d.kv16, rp * d.R + (j - d.C)) : 0.f));
       }
     }
     const int gl = 2 * ((lane >> 4) & 1) + ((lane >> 3) & 1);  // the position this lane's sum is for
@@ -460,17 +465,16 @@ __global__ void __launch_bounds__(128) values_kernel(MlaDims d, const DevPos* __
     }
     __syncthreads();
     if (c < d.C) {
-      const float* kvc = ckv + c;  // row r of the cache: kvc[r * C]
+      auto kvc = [&](int64_t t) { return cache_get(ckv, d.kv16, d.row(p.slot, t) * d.C + c); };
       int tt = 0;
       for (; tt + 4 <= tn; tt += 4) {
-        const float w0 = kvc[d.row(p.slot, t + tt) * d.C], w1 = kvc[d.row(p.slot, t + tt + 1) * d.C],
-                    w2 = kvc[d.row(p.slot, t + tt + 2) * d.C], w3 = kvc[d.row(p.slot, t + tt + 3) * d.C];
+        const float w0 = kvc(t + tt), w1 = kvc(t + tt + 1), w2 = kvc(t + tt + 2), w3 = kvc(t + tt + 3);
 #pragma unroll
         for (int h = 0; h < kHB; ++h)
           acc[h] = fmaf(ps[h][tt + 3], w3, fmaf(ps[h][tt + 2], w2, fmaf(ps[h][tt + 1], w1, fmaf(ps[h][tt], w0, acc[h]))));
       }
       for (; tt < tn; ++tt) {
-        const float w = kvc[d.row(p.slot, t + tt) * d.C];
+        const float w = kvc(t + tt);
 #pragma unroll
         for (int h = 0; h < kHB; ++h) acc[h] = fmaf(ps[h][tt], w, acc[h]);
       }
@@ -608,7 +612,7 @@ __device__ __forceinline__ void halve(float* v, int lane, int bit) {
 }
 
 // Cache rows [t0, t0 + tn) of sequence `slot` (latent | rope key) into dst [kManyTP][CR4] by
-// cp.async, zeros past tn; one commit group. Lane l looks up row t0 + l in the block table once;
+// cp.async (a bf16 cache: loads widened to float32), zeros past tn; one commit group. Lane l looks up row t0 + l in the block table once;
 // a thread's rows come from its warp's lanes (no table load between copies).
 __device__ __forceinline__ void many_stage_rows(const MlaDims& d, int32_t slot, int64_t t0, int tn,
                                                 const DecodeAttn& a, float4* dst) {
@@ -620,7 +624,17 @@ __device__ __forceinline__ void many_stage_rows(const MlaDims& d, int32_t slot, 
   int r = threadIdx.x / CR4, k4 = threadIdx.x % CR4;  // of element e = base + threadIdx.x
   for (int base = 0; base < total; base += kManyThreads) {  // (warp-uniform trips: the shuffle)
     const int64_t row = __shfl_sync(0xffffffffu, mine, min(r, kManyTP - 1));
-    if (base + int(threadIdx.x) < total) {
+    if (base + int(threadIdx.x) < total && d.kv16) {  // bf16 rows, widened on the way (no cp.async)
+      const uint2* src = reinterpret_cast<const uint2*>(k4 < C4 ? a.cache_kv : a.cache_pe) +
+                         (k4 < C4 ? row * C4 + k4 : row * R4 + (k4 - C4));
+      float4 v = make_float4(0.f, 0.f, 0.f, 0.f);
+      if (r < tn) {
+        const uint2 u = *src;
+        const float2 lo = bf16x2_bits(u.x), hi = bf16x2_bits(u.y);
+        v = make_float4(lo.x, lo.y, hi.x, hi.y);
+      }
+      dst[base + threadIdx.x] = v;
+    } else if (base + int(threadIdx.x) < total) {
       const float4* src = k4 < C4 ? kv4 + row * C4 + k4 : pe4 + row * R4 + (k4 - C4);
       cp_async16(smem_addr(dst + base + threadIdx.x), src, r < tn);
     }
@@ -769,13 +783,18 @@ void mla_decode_many(const Launch& L, const MlaDims& d, const DevPos* pos, int64
              " must be multiples of 4, kv_lora_rank at most 512");
   DSV3_CHECK(a.nsplit >= 1 && (a.nsplit == 1 || (a.part && a.ml)), "many-token decode attention: split buffers");
   DSV3_CHECK(a.len_max <= d.max_len, "many-token decode attention: len_max ", a.len_max, " past ", d.max_len);
-  const size_t smem = many_smem(d);
-  allow_smem(many_kernel, smem);
+  const bool tc = !a.simple && mla_many_tc_ok(d);
   // Each split's positions: whole tiles covering len_max (or max_len) over nsplit.
-  const int64_t len = a.len_max > 0 ? a.len_max : d.max_len;
-  const int64_t chunk = ((len + a.nsplit - 1) / a.nsplit + kManyTP - 1) / kManyTP * kManyTP;
-  launch(L, many_kernel, dim3(unsigned(n), cdiv(d.H, kManyHG), unsigned(a.nsplit)), dim3(kManyThreads), smem, d, pos,
-         n, a, chunk);
+  const int64_t len = a.len_max > 0 ? a.len_max : d.max_len, tile = tc ? kManyTcRows : kManyTP;
+  const int64_t chunk = ((len + a.nsplit - 1) / a.nsplit + tile - 1) / tile * tile;
+  if (tc) {
+    mla_many_tc(L, d, pos, n, a, chunk);
+  } else {
+    const size_t smem = many_smem(d);
+    allow_smem(many_kernel, smem);
+    launch(L, many_kernel, dim3(unsigned(n), cdiv(d.H, kManyHG), unsigned(a.nsplit)), dim3(kManyThreads), smem, d,
+           pos, n, a, chunk);
+  }
   if (a.nsplit > 1)
     launch(L, values_reduce_kernel, dim3(unsigned(n * d.H)), dim3(128), 0, d, pos, n, chunk, a.part, a.ml, a.ol);
 }
@@ -875,8 +894,8 @@ __global__ void gather_rows_kernel(MlaDims d, int32_t slot, const float* __restr
   pdl_wait();
   pdl_trigger();
   const int64_t t = blockIdx.x, r = d.row(slot, t);
-  for (int j = threadIdx.x; j < d.C; j += blockDim.x) kv[t * d.C + j] = ckv[r * d.C + j];
-  for (int j = threadIdx.x; j < d.R; j += blockDim.x) pe[t * d.R + j] = cpe[r * d.R + j];
+  for (int j = threadIdx.x; j < d.C; j += blockDim.x) kv[t * d.C + j] = cache_get(ckv, d.kv16, r * d.C + j);
+  for (int j = threadIdx.x; j < d.R; j += blockDim.x) pe[t * d.R + j] = cache_get(cpe, d.kv16, r * d.R + j);
 }
 }  // namespace
 

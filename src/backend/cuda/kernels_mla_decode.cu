@@ -100,7 +100,7 @@ struct DecRows {
 #pragma unroll
     for (int m = 0; m < kMaxJ; ++m) {
       const int j = lane + 32 * m;
-      k[m] = j < d.C ? ckv[r * d.C + j] : (j < CR ? cpe[r * d.R + (j - d.C)] : 0.f);
+      k[m] = j < d.C ? cache_get(ckv, d.kv16, r * d.C + j) : (j < CR ? cache_get(cpe, d.kv16, r * d.R + (j - d.C)) : 0.f);
     }
   }
   __device__ void preload() {
