@@ -12,8 +12,8 @@ struct CudaOptions {
   // What a user sets (environment variables; README):
   bool graphs = true;    // record decode steps as CUDA graphs and replay them (DSV3_CUDA_GRAPH=0: launch every kernel)
   bool pdl = true;       // programmatic dependent launch between kernels (DSV3_CUDA_PDL=0: off)
-  bool fast = false;     // bf16 activations (one pass) in the prefill MLP/expert tensor-core GEMMs and bf16 in the
-                         // prefill attention (DSV3_CUDA_FAST=1); default: float32-grade results
+  bool fast = false;     // bf16 activations (one pass) in the prefill MLP/expert tensor-core GEMMs, bf16 in the
+                         // prefill attention and a bf16 latent cache (DSV3_CUDA_FAST=1); default: float32-grade results
   bool fp8_gemm = false; // FP8 weights' products in steps of fast_min+ tokens on e4m3 activations quantised per 128
                          // columns (the reference's gemm_impl="fp8": act_quant + fp8_gemm) (DSV3_CUDA_FP8_GEMM=1)
   bool progress = false; // a progress line while the weights go to the GPU (DSV3_CUDA_PROGRESS; default: when
