@@ -58,6 +58,63 @@ TEST(KvCache, BlocksAreCountedAndComeBack) {
   EXPECT_EQ(c.used_blocks(), 0);
 }
 
+// A host backend that keeps its latent cache rows in bf16 (as the CUDA backend in fast mode) and
+// counts the floats the cache asks it for.
+class Bf16CacheBackend : public Backend {
+ public:
+  std::unique_ptr<Backend> in = make_ref_backend();
+  size_t floats = 0;
+  std::string name() const override { return "bf16-cache"; }
+  bool bf16_latent_cache() const override { return true; }
+  float* alloc(size_t n) override { return floats += n, in->alloc(n); }
+  void release(float* p) override { in->release(p); }
+  void upload(float* d, const float* h, size_t n) override { in->upload(d, h, n); }
+  void download(float* h, const float* s, size_t n) override { in->download(h, s, n); }
+  void embed(const Step&, const TensorView&, int64_t, float*) override { fail("not for this test"); }
+  void rmsnorm(const float*, int64_t, int64_t, int64_t, const TensorView&, float, float*) override { fail("no"); }
+  void linear(const float*, int64_t, const Linear&, float*) override { fail("not for this test"); }
+  void add(float*, const float*, int64_t) override { fail("not for this test"); }
+  void mla(const MlaCall&) override { fail("not for this test"); }
+  void moe(const ModelArgs&, const MoEWeights&, const float*, int64_t, float*) override { fail("not for this test"); }
+  void mlp(const MLPWeights&, const float*, int64_t, float*) override { fail("not for this test"); }
+};
+
+// A backend with bf16 latent rows gets a cache of half the bytes per position (two values a float
+// slot); the naive form's K and V stay float32; odd row widths cannot be packed and are refused.
+TEST(KvCache, Bf16LatentRowsTakeHalfTheBytes) {
+  ModelArgs a = tiny_args();
+  KvCache::Options o;
+  o.block = 4, o.n_blocks = 6, o.max_len = 24;
+  const int64_t rows = 4 * 6;
+  Bf16CacheBackend be;
+  {
+    KvCache c(a, be, o);
+    EXPECT_TRUE(c.bf16());
+    EXPECT_EQ(c.position_bytes(), 2 * a.n_layers * (a.kv_lora_rank + a.qk_rope_head_dim));
+    EXPECT_EQ(2 * c.position_bytes(), KvCache::bytes_per_position(a, AttnImpl::kAbsorb));
+    EXPECT_EQ(c.bytes(), rows * c.position_bytes());
+    EXPECT_EQ(be.floats, size_t(rows * a.n_layers * (a.kv_lora_rank + a.qk_rope_head_dim) / 2));
+    for (const LayerCache& l : c.layers()) EXPECT_TRUE(l.bf16 && l.kv && l.pe);
+  }
+  be.floats = 0;
+  o.attn = AttnImpl::kNaive;
+  {
+    KvCache c(a, be, o);
+    EXPECT_FALSE(c.bf16());
+    EXPECT_EQ(c.position_bytes(), KvCache::bytes_per_position(a, AttnImpl::kNaive));
+    EXPECT_EQ(be.floats, size_t(rows * a.n_layers * a.n_heads * (a.qk_head_dim() + a.v_head_dim)));
+    for (const LayerCache& l : c.layers()) EXPECT_FALSE(l.bf16);
+  }
+  o.attn = AttnImpl::kAbsorb;
+  a.qk_rope_head_dim = 5;
+  try {
+    KvCache c(a, be, o);
+    ADD_FAILURE() << "an odd rope dim packed into bf16 pairs";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("qk_rope_head_dim"), std::string::npos) << e.what();
+  }
+}
+
 TEST(KvCache, OutOfBlocksIsAnErrorInTheCallersTerms) {
   auto be = make_ref_backend();
   KvCache::Options o;
