@@ -17,6 +17,7 @@
 
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <vector>
 
@@ -70,6 +71,24 @@ Bf16Row bf16_row(const std::string& c, AttnImpl attn) {
   if (c == "v3_fp8") return {nv ? 0.565 : 0.386, nv ? 0.032 : 0.033, 135, 148};
   if (c == "v31_fp8_ue8m0") return {nv ? 0.404 : 0.450, nv ? 0.036 : 0.026, 140, 148};
   return {nv ? 0.566 : 0.541, nv ? 0.031 : 0.033, 94, 98};
+}
+
+// The reference's own bf16 rows' worst single row against its float32 logits, from the golden file
+// (logits_bf16 for absorb, logits_naive_bf16 for naive): a routing flip, 0.1-1.1 (golden/README.md's
+// table gives the steps' errors, each over a step's rows).
+double bf16_worst_row(SafetensorsFile& g, AttnImpl attn) {
+  const std::string kind = attn == AttnImpl::kNaive ? ".logits_naive_bf16" : ".logits_bf16";
+  double worst = 0;
+  for (int s = 0;; ++s) {
+    char key[32];
+    std::snprintf(key, sizeof key, "step%03d", s);
+    if (!g.has(std::string(key) + ".tokens")) break;
+    TensorView want = g.get(std::string(key) + ".logits_fp32"), got = g.get(std::string(key) + kind);
+    const int64_t B = want.dim(0), V = want.dim(1);
+    for (int64_t b = 0; b < B; ++b)
+      worst = std::max(worst, rel_l2(got.as<float>() + b * V, want.as<float>() + b * V, size_t(V)));
+  }
+  return worst;
 }
 
 // The reference's own FP8 GEMM row, from the golden file (logits_fp8gemm: gemm_impl="fp8", absorb
@@ -151,12 +170,12 @@ TEST_P(CudaGolden, EveryStepMatchesFp32Logits) {
   const auto [smx, smed] = max_median(step_errs);
   std::printf("%s: %zu rows, max %.3g, median %.3g; %zu steps, max %.3g, median %.3g; argmax %d/%d\n",
               golden_param_name({p, 0}).c_str(), errs.size(), mx, med, step_errs.size(), smx, smed, agree, total);
-  if (p.variant == 2) {  // bf16 activations: no worse than the reference's own bf16 row, whose errors are
-                         // per step; every single row is held to that step maximum as well
+  if (p.variant == 2) {  // bf16 activations and (absorb) the bf16 latent cache: no worse than the reference's
+                         // own bf16 row, whose errors are per step, and no single row worse than its worst row
     const Bf16Row r = bf16_row(p.name, p.attn);
     EXPECT_LE(smx, r.max_err);
     EXPECT_LE(smed, r.median_err);
-    EXPECT_LE(mx, r.max_err);
+    EXPECT_LE(mx, bf16_worst_row(g, p.attn));
     EXPECT_GE(agree * r.total, r.agree * total);
   }
   if (p.variant == 4) {  // e4m3 activations: no worse than the reference's own FP8 GEMM row on its
