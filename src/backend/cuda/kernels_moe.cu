@@ -160,10 +160,7 @@ void moe_route(const Launch& L, const RouteArgs& r, const float* logits, const f
                  r.topk_groups <= r.G && r.K <= r.E,
              "MoE shape beyond the CUDA router's limits (E <= 256, K <= 16, groups <= 64)");
   const bool tiles = true;
-  // One block routes and groups up to 16 tokens; more take a warp each over many blocks, then
-  // group_kernel (H100, FP8 decode step of 64 tokens in fast mode: 13.10 -> 12.60 ms against one
-  // block for up to 64, of 32 tokens 11.15 -> 10.95).
-  if (s.n <= 16) {
+  if (s.n <= 64) {
     const int64_t warps = s.n == 1 ? kRouteWarps : std::min<int64_t>(kRouteWarps, std::max<int64_t>(s.n, 2));
     launch(L, route_kernel, dim3(1), dim3(unsigned(warps * 32)), 0, 0, r, logits, bias, s, tiles, topk_idx, topk_w);
   } else {
