@@ -423,6 +423,14 @@ TEST(ServingBench, ReportsEveryLevelWithExactOutputsAndThePrefixCache) {
     // The 64-token prefix every prompt shares comes from the cache once published.
     EXPECT_GT(r["prefix_cache_hit_rate"].get<double>(), 0.5);
     EXPECT_TRUE(r["prefix_cache"].get<bool>());
+    // One request: beside the same request as `dsv3 generate` runs it (its decode time per token).
+    EXPECT_EQ(r.contains("generate_tpot_ms"), i == 0);
+    if (i == 0) {
+      EXPECT_GT(r["generate_tpot_ms"].get<double>(), 0);
+      const double ratio = r["vs_generate"].get<double>();
+      EXPECT_NEAR(ratio, r["generate_tpot_ms"].get<double>() / r["tpot"]["mean_ms"].get<double>(), 1e-9 * ratio);
+      EXPECT_GT(ratio, 0);
+    }
   }
   // --prefix-cache off: the same load computes every prefix.
   const std::string off = std::string(DSV3_BINARY) + " bench --model " + case_dir("v3_fp8") +

@@ -14,6 +14,7 @@
 
 #include "core/error.h"
 #include "core/thread_pool.h"
+#include "runtime/generate.h"
 #include "runtime/scheduler.h"
 #include "tools/bench_model.h"
 #include "tools/model_options.h"
@@ -117,6 +118,27 @@ json run_level(Model& model, const ServingLoad& l, const std::vector<int32_t>& p
   return rep;
 }
 
+// One request as `dsv3 generate` runs it (the scheduler stepped on this thread, no hand-off to a
+// serving thread), with the level's first prompt (after the shared prefix) and its output length:
+// its decode time per token, for the one-request bar (served >= 95% of generate's batch-1 speed).
+double generate_tpot_ms(Model& model, const ServingLoad& l, const std::vector<int32_t>& prefix,
+                        const SchedulerOptions& so) {
+  const int V = model.args().vocab_size;
+  GenerateRequest r;
+  r.prompt = random_prompts(l, std::min(1000, V / 4), std::min(32000, V))[0];
+  r.prompt.insert(r.prompt.begin(), prefix.begin(), prefix.end());
+  r.max_new_tokens = 2;
+  {
+    Generator warm(model, -1, so.max_step_tokens);  // (recorded steps and scratch for this shape)
+    warm.run({r});
+  }
+  r.max_new_tokens = l.output_len;
+  Generator g(model, -1, so.max_step_tokens);
+  g.run({r});
+  const GenerateStats& st = g.stats();
+  return st.generated_tokens > 1 ? 1e3 * st.decode_s / double(st.generated_tokens - 1) : 0.0;
+}
+
 }  // namespace
 
 int run_serving_bench(const Args& args) {
@@ -177,6 +199,11 @@ int run_serving_bench(const Args& args) {
     }
     json rep = run_level(*model, l, prefix, sched);
     rep["model"] = what, rep["backend"] = backend;
+    if (c == 1 && l.output_len > 1) {  // the same request as generate runs it, on the same model
+      const double g = generate_tpot_ms(*model, l, prefix, sched), t = rep["tpot"]["mean_ms"].get<double>();
+      rep["generate_tpot_ms"] = g;
+      rep["vs_generate"] = t > 0 ? g / t : 0.0;
+    }
     if (!args.has("json")) print_serving_report(rep);
     all.push_back(rep);
   }

@@ -124,6 +124,10 @@ void print_serving_report(const json& r) {
     for (const char* stat : {"mean", "p50", "p90", "p99"})
       row(std::string(stat) + " " + key + " (ms):", num(r[key][std::string(stat) + "_ms"], 2));
   }
+  if (r.contains("generate_tpot_ms"))  // (one request: beside `dsv3 generate` on the same request)
+    std::printf("one request vs generate: %.2f ms per output token served, %.2f ms as generate runs it: %.0f%% of "
+                "generate's speed\n",
+                r["tpot"]["mean_ms"].get<double>(), r["generate_tpot_ms"].get<double>(), 100 * r["vs_generate"].get<double>());
   std::printf("==================================================\n");
 }
 
