@@ -338,9 +338,9 @@ int run_bench(int argc, char** argv) {
       tail = anchor_ratios(tok_s, ref, hf);
     }
     std::fprintf(out,
-                 "decode batch %d: %.2f tok/s (%.2f ms/step, as generate runs it); reads %.3f GB/step (%.1f experts/layer "
-                 "%s) -> floor %.2f tok/s; %.0f%% of the %s floor%s\n",
-                 B, tok_s, step_ms, bytes / 1e9, experts_per_layer, measured ? "measured" : "estimated", floor_tok_s,
+                 "decode batch %d: %.2f tok/s (%.2f ms/step, as generate runs it, after %ld positions (--decode-ctx)); "
+                 "reads %.3f GB/step (%.1f experts/layer %s) -> floor %.2f tok/s; %.0f%% of the %s floor%s\n",
+                 B, tok_s, step_ms, ctx, bytes / 1e9, experts_per_layer, measured ? "measured" : "estimated", floor_tok_s,
                  100 * tok_s / floor_tok_s, gpu ? "HBM" : "bandwidth", tail.c_str());
     dec.push_back({{"batch", B},
                    {"tokens", gs.generated_tokens},
