@@ -43,15 +43,22 @@ std::vector<int> int_list(const std::string& s, const char* what, int lo, int hi
 
 double since(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
 
+// The level's prompts: random ids after the shared prefix.
+std::vector<std::vector<int32_t>> level_prompts(const Model& model, const ServingLoad& l,
+                                                const std::vector<int32_t>& prefix) {
+  const int V = model.args().vocab_size;
+  std::vector<std::vector<int32_t>> prompts = random_prompts(l, std::min(1000, V / 4), std::min(32000, V));
+  for (auto& p : prompts) p.insert(p.begin(), prefix.begin(), prefix.end());
+  return prompts;
+}
+
 // One concurrency level: every request through the scheduler, timed from its submission.
 json run_level(Model& model, const ServingLoad& l, const std::vector<int32_t>& prefix, const SchedulerOptions& base) {
   SchedulerOptions so = base;
   so.eos = -1, so.max_seqs = l.concurrency;
   Scheduler sched(model, so);
   sched.start();
-  const int V = model.args().vocab_size;
-  std::vector<std::vector<int32_t>> prompts = random_prompts(l, std::min(1000, V / 4), std::min(32000, V));
-  for (auto& p : prompts) p.insert(p.begin(), prefix.begin(), prefix.end());
+  const std::vector<std::vector<int32_t>> prompts = level_prompts(model, l, prefix);
   const std::vector<double> arrival = arrival_times(l);
   std::vector<RequestTiming> out(size_t(l.requests));
   std::vector<Clock::time_point> t0(size_t(l.requests)), last(size_t(l.requests));
@@ -123,10 +130,8 @@ json run_level(Model& model, const ServingLoad& l, const std::vector<int32_t>& p
 // its decode time per token, for the one-request bar (served >= 95% of generate's batch-1 speed).
 double generate_tpot_ms(Model& model, const ServingLoad& l, const std::vector<int32_t>& prefix,
                         const SchedulerOptions& so) {
-  const int V = model.args().vocab_size;
   GenerateRequest r;
-  r.prompt = random_prompts(l, std::min(1000, V / 4), std::min(32000, V))[0];
-  r.prompt.insert(r.prompt.begin(), prefix.begin(), prefix.end());
+  r.prompt = level_prompts(model, l, prefix)[0];
   r.max_new_tokens = 2;
   {
     Generator warm(model, -1, so.max_step_tokens);  // (recorded steps and scratch for this shape)
