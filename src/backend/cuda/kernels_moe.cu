@@ -160,7 +160,7 @@ void moe_route(const Launch& L, const RouteArgs& r, const float* logits, const f
                  r.topk_groups <= r.G && r.K <= r.E,
              "MoE shape beyond the CUDA router's limits (E <= 256, K <= 16, groups <= 64)");
   const bool tiles = true;
-  if (s.n <= 64) {
+  if (s.n <= 16) {
     const int64_t warps = s.n == 1 ? kRouteWarps : std::min<int64_t>(kRouteWarps, std::max<int64_t>(s.n, 2));
     launch(L, route_kernel, dim3(1), dim3(unsigned(warps * 32)), 0, 0, r, logits, bias, s, tiles, topk_idx, topk_w);
   } else {
