@@ -100,13 +100,7 @@ void CudaBackend::moe_op(const ModelArgs& a, const MoEWeights& w, const float* x
     j0.o_hi = scratch(kHi2, size_t(P * T.rows13) * (f8 ? 4 : 2));
     j0.o_lo = fast_at(n) || f8 ? nullptr : scratch(kLo2, size_t(P * T.rows13) * 2);
     j0.ldo = T.rows13;
-    // (FP8 GEMM mode with swapped operands: the persistent kernel, tc_gemm's form its twin)
-    const bool persist = f8 && swap && opt_.tune.moe_persist;
-    auto gemm = [&](const cuda::TcJob& j, int64_t rows) {
-      if (persist) cuda::moe_f8_gemm(L_, j, s.max_tiles(), rows);
-      else cuda::tc_gemm(L_, j, s.max_tiles(), rows);
-    };
-    gemm(j0, T.rows13);
+    cuda::tc_gemm(L_, j0, s.max_tiles(), T.rows13);
     if (f8) {
       const cuda::TcJob q = quant_input(static_cast<const float*>(j0.o_hi), P, T.rows13, /*second=*/true);
       j1.a_hi = q.a_hi, j1.a_s = q.a_s, j1.ldas = q.ldas;
@@ -115,7 +109,7 @@ void CudaBackend::moe_op(const ModelArgs& a, const MoEWeights& w, const float* x
     }
     j1.stage = 1, j1.a_idx = nullptr, j1.lda = T.rows13;
     j1.c = o, j1.ldc = D;
-    gemm(j1, T.rows2);
+    cuda::tc_gemm(L_, j1, s.max_tiles(), T.rows2);
   } else if (gemvs) {
     // GEMVs: on tensor cores where they take the experts (tcv_moe), else the FMA kernels.
     float* h = f32(kMoeH, size_t(P * T.rows13));
