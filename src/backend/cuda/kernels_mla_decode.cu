@@ -78,7 +78,7 @@ __device__ void combine_splits(const MlaDims& d, int64_t n, int64_t i, int h0, i
 // lanes' columns) and leaves them in shared memory for the block's merge (dec_merge). One token
 // (preload): the cache rows before its own position were written by earlier steps, so a warp's
 // first two go out before the wait.
-template <int HB>
+template <int HB, bool KV16>
 struct DecRows {
   const MlaDims& d;
   const float* __restrict__ ckv;
@@ -95,12 +95,24 @@ struct DecRows {
     slot = p.slot;
   }
   __device__ int splits() const { return dec_splits(len, chunk); }  // of this token's length
+  // A bf16 cache's values land as raw bits (nothing waits on a load here, so a row's loads all
+  // go out together) and widen() makes them float32 once both rows are loaded. (Widened as each
+  // loaded, one token's attention over 512 positions took 3.2x the float32 cache's time, H100.)
   __device__ void load_row(int64_t t, float* k) const {
     const int64_t r = d.row(slot, t);
+    auto get = [&](const float* c, int64_t idx) {
+      return KV16 ? __uint_as_float(reinterpret_cast<const uint16_t*>(c)[idx]) : c[idx];
+    };
 #pragma unroll
     for (int m = 0; m < kMaxJ; ++m) {
       const int j = lane + 32 * m;
-      k[m] = j < d.C ? cache_get(ckv, d.kv16, r * d.C + j) : (j < CR ? cache_get(cpe, d.kv16, r * d.R + (j - d.C)) : 0.f);
+      k[m] = j < d.C ? get(ckv, r * d.C + j) : (j < CR ? get(cpe, r * d.R + (j - d.C)) : 0.f);
+    }
+  }
+  __device__ static void widen(float* k) {
+    if constexpr (KV16) {
+#pragma unroll
+      for (int m = 0; m < kMaxJ; ++m) k[m] = __uint_as_float(__float_as_uint(k[m]) << 16);
     }
   }
   __device__ void preload() {
@@ -127,6 +139,8 @@ struct DecRows {
         if (two) load_row(t + 8, kq);
       }
       pre = false;
+      widen(kr);
+      if (two) widen(kq);
 #pragma unroll
       for (int h = 0; h < HB; ++h) {
         float sa, sb;
@@ -169,7 +183,7 @@ __device__ __forceinline__ float dec_merge(const float (*wm)[HB], const float (*
 // The same attention with each warp's rows folded in as they arrive (decode steps; DecRows): one
 // round of cache loads per 16 positions instead of a score pass, a softmax pass and a value pass
 // over shared scores, the 8 warps merged in shared memory, several splits combined by the last.
-template <int HB, bool PRE>
+template <int HB, bool PRE, bool KV16>
 __global__ void __launch_bounds__(256) decode_attn_warps_kernel(MlaDims d, const DevPos* __restrict__ pos, int64_t n,
                                                                 const float* __restrict__ qa,
                                                                 const float* __restrict__ q,
@@ -184,7 +198,7 @@ __global__ void __launch_bounds__(256) decode_attn_warps_kernel(MlaDims d, const
   const int64_t i = blockIdx.x / nhb;
   const int h0 = int(blockIdx.x % nhb) * HB, hb = min(HB, d.H - h0);
   // (pos: the step's metadata, copied before the step's first kernel)
-  DecRows<HB> R(d, pos[i], ckv, cpe);
+  DecRows<HB, KV16> R(d, pos[i], ckv, cpe);
   float* qs = dsm;
   float* ws = dsm + HB * CR;
   float* fz = ws + 8 * HB * d.C;
@@ -246,10 +260,12 @@ void launch_decode_attn(const Launch& L, const MlaDims& d, const DevPos* pos, in
   const dim3 grid(unsigned(n * cdiv(d.H, HB)), 1, unsigned(a.nsplit));
   const size_t smem = sizeof(float) * size_t(HB) * size_t(d.C + d.R + 8 * d.C + kDecMaxSplits);
   // (38.4 KB at C 512 and two heads: within the default 48 KB; mla_decode_ok caps C at 512)
-  if (n == 1) launch(L, decode_attn_warps_kernel<HB, true>, grid, dim3(256), smem, d, pos, n, a.qa, a.q, a.cache_kv,
-                     a.cache_pe, a.part, a.ml, a.counters, a.ol, a.combine);
-  else launch(L, decode_attn_warps_kernel<HB, false>, grid, dim3(256), smem, d, pos, n, a.qa, a.q, a.cache_kv,
-              a.cache_pe, a.part, a.ml, a.counters, a.ol, a.combine);
+  auto go = [&](auto kernel) {
+    launch(L, kernel, grid, dim3(256), smem, d, pos, n, a.qa, a.q, a.cache_kv, a.cache_pe, a.part, a.ml, a.counters,
+           a.ol, a.combine);
+  };
+  if (n == 1) d.kv16 ? go(decode_attn_warps_kernel<HB, true, true>) : go(decode_attn_warps_kernel<HB, true, false>);
+  else d.kv16 ? go(decode_attn_warps_kernel<HB, false, true>) : go(decode_attn_warps_kernel<HB, false, false>);
 }
 }  // namespace
 
