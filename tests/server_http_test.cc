@@ -1,11 +1,12 @@
 // `dsv3 serve` as its own process on the tiny model, driven over sockets: every endpoint, the
 // fields of both completion APIs streamed and not (the shapes OpenAI sends), stop strings,
-// n and seeds, logprobs in both formats, usage, token-id prompts, stop_token_ids, and the
-// reasoning split with a V3.1-style thinking template.
+// n and seeds, logprobs in both formats, usage, token-id prompts, stop_token_ids, the
+// reasoning split with a V3.1-style thinking template, and the step budget (--max-step-tokens).
 #include <gtest/gtest.h>
 
 #include <set>
 
+#include "cli_util.h"
 #include "server_util.h"
 #include "text/utf8.h"
 
@@ -307,6 +308,38 @@ std::string thinking_tokenizer() {
        "{% else %}</think>{% endif %}{% endif %}"}};
   std::ofstream(dir + "/tokenizer_config.json") << config.dump();
   return dir;
+}
+
+// --max-step-tokens N: a prompt goes through steps of at most N tokens (the metrics count them),
+// and the greedy answer is the one the default budget gives; a budget out of range is refused
+// before the model loads.
+TEST(ServerSteps, StepBudgetChunksThePromptAndKeepsTheAnswer) {
+  const json req = {{"model", "tiny"}, {"messages", kHello}, {"max_tokens", 8}, {"temperature", 0}};
+  std::string want;
+  int prompt = 0;
+  {
+    ServerProcess server({"--served-model-name", "tiny"});
+    const Reply r = post(server.url(), "/v1/chat/completions", req);
+    ASSERT_EQ(r.status, 200) << r.raw;
+    want = r.body["choices"][0]["message"]["content"];
+    prompt = r.body["usage"]["prompt_tokens"];
+    // one step for the prompt (and the first token), then one per token
+    EXPECT_EQ(metric(get(server.url(), "/metrics").raw, "dsv3:model_steps_total"), 8);
+  }
+  ASSERT_GT(prompt, 6);
+  ServerProcess server({"--served-model-name", "tiny", "--max-step-tokens", "3"});
+  const Reply r = post(server.url(), "/v1/chat/completions", req);
+  ASSERT_EQ(r.status, 200) << r.raw;
+  EXPECT_EQ(r.body["choices"][0]["message"]["content"], want);
+  const std::string m = get(server.url(), "/metrics").raw;
+  const double steps = metric(m, "dsv3:model_steps_total"), tokens = metric(m, "dsv3:model_step_tokens_total");
+  EXPECT_EQ(steps, (prompt + 2) / 3 + 7);  // the prompt in chunks of 3, the last one drawing the first token
+  EXPECT_EQ(tokens, prompt + 7);
+
+  const dsv3::testing_util::CliRun bad =
+      dsv3::testing_util::run_dsv3("serve --model '" + tiny_model() + "' --port 0 --max-step-tokens 0");
+  EXPECT_EQ(bad.rc, 1);
+  EXPECT_NE(bad.err.find("--max-step-tokens must be in [1, 65536], got 0"), std::string::npos) << bad.err;
 }
 
 TEST(ServerReasoning, ThinkingOutputIsReasoningContent) {

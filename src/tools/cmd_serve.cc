@@ -59,7 +59,7 @@ std::string default_model_name(const std::string& dir) {
 int run_serve(int argc, char** argv) {
   Args args(argc, argv,
             with_model_options({"host", "port", "api-key", "max-seqs", "max-queue", "served-model-name", "tokenizer",
-                                "max-model-len", "drain-timeout"}));
+                                "max-model-len", "drain-timeout", "max-step-tokens"}));
   if (follow_leader(args)) return 0;  // (under mpirun, ranks but 0)
   // Every thread started from here on (the backend's, the engine's, httplib's) inherits this
   // mask, so SIGTERM and SIGINT reach only the thread that waits for them.
@@ -81,6 +81,8 @@ int run_serve(int argc, char** argv) {
   if (opt.max_seqs < 1 || opt.max_seqs > 4096) fail("--max-seqs must be in [1, 4096], got ", opt.max_seqs);
   opt.max_queue = int(args.get_int("max-queue", -1));
   if (opt.max_queue < -1 || opt.max_queue > 65536) fail("--max-queue must be in [0, 65536], got ", opt.max_queue);
+  const long step_tokens = args.get_int("max-step-tokens", SchedulerOptions().max_step_tokens);
+  if (step_tokens < 1 || step_tokens > 65536) fail("--max-step-tokens must be in [1, 65536], got ", step_tokens);
   opt.drain_timeout_s = args.get_float("drain-timeout", 30);
   if (!(opt.drain_timeout_s >= 0)) fail("--drain-timeout must be >= 0 seconds");
   const std::string model_dir = args.require("model");
@@ -102,6 +104,7 @@ int run_serve(int argc, char** argv) {
   eo.eos = tok->eos_id() >= 0 ? tok->eos_id() : lm.model->args().eos_token_id;
   eo.vocab_limit = tok->vocab_size();
   eo.max_seqs = opt.max_seqs;
+  eo.max_step_tokens = int(step_tokens);  // the prefill chunk: larger steps, more throughput, longer decode stalls
   Scheduler engine(*lm.model, eo);
   engine.start();
 
@@ -148,7 +151,7 @@ int run_serve(int argc, char** argv) {
 
 DSV3_COMMAND(serve,
              "--model DIR [--host 127.0.0.1] [--port 8000] [--api-key K] [--max-seqs N] [--max-queue N] "
-             "[--kv-cache-gb X] [--served-model-name NAME] [--max-model-len N] [--drain-timeout S]: "
+             "[--kv-cache-gb X] [--served-model-name NAME] [--max-model-len N] [--max-step-tokens N] [--drain-timeout S]: "
              "OpenAI-compatible HTTP server and chat page",
              run_serve);
 
