@@ -162,7 +162,7 @@ int run_serving_bench(const Args& args) {
   base.rate = args.get_float("request-rate", INFINITY);
   base.seed = uint64_t(args.get_int("seed", 1));
   const long shared = args.get_int("shared-prefix", 0);
-  const long step_tokens = args.get_int("max-step-tokens", 2048);
+  const long step_tokens = args.get_int("max-step-tokens", SchedulerOptions().max_step_tokens);
   if (base.input_len < 1 || base.output_len < 1) fail("--input-len and --output-len must be >= 1");
   if (!(base.rate > 0)) fail("--request-rate must be > 0 requests per second (default: all at once)");
   if (shared < 0) fail("--shared-prefix must be >= 0 tokens, got ", shared);
