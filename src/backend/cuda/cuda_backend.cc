@@ -381,7 +381,7 @@ void CudaBackend::run(const StepGraph& g, const Step& s, const AfterNode& after)
   // Steps of up to graph_max tokens are recorded the second time their graph runs (the first
   // grows the scratch buffers) and replayed after. Steps with long runs of one sequence (32+
   // tokens) carry host positions in their attention launches: never recorded.
-  const bool record = opt_.graphs && !opt_.profile && !after && s.n <= opt_.tune.graph_max && absorbed_step(s);
+  const bool record = opt_.graphs && !opt_.profile && !after && s.n <= opt_.tune.graph_max && s.n < 32;
   if (record) {
     Graph& gr = graphs_[GraphKey{g.id, s.kv.rows, std::vector<int64_t>(s.logit_rows, s.logit_rows + s.m)}];
     if (gr.exec) {
@@ -485,14 +485,8 @@ void CudaBackend::run_fused(const StepGraph& g, const Step& s, const Node& nd) {
 }
 
 void CudaBackend::gather_rows(const float* x, int64_t d, const int64_t* rows, int64_t m, float* y) {
-  // Device-to-device copies (recordable, no host round trip), one per run of consecutive rows: a
-  // decode step's rows are a single run (not a copy per row: 256 at 256 tokens).
-  for (int64_t r = 0; r < m;) {
-    int64_t e = r + 1;
-    while (e < m && rows[e] == rows[e - 1] + 1) ++e;
-    CK(cudaMemcpyAsync(y + r * d, x + rows[r] * d, size_t((e - r) * d) * 4, cudaMemcpyDeviceToDevice, stream_));
-    r = e;
-  }
+  for (int64_t r = 0; r < m; ++r)  // device-to-device copies: recordable, no host round trip
+    CK(cudaMemcpyAsync(y + r * d, x + rows[r] * d, size_t(d) * 4, cudaMemcpyDeviceToDevice, stream_));
 }
 
 void CudaBackend::embed(const Step& s, const TensorView& table, int64_t row0, float* y) {
