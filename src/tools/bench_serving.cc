@@ -162,15 +162,14 @@ int run_serving_bench(const Args& args) {
   base.rate = args.get_float("request-rate", INFINITY);
   base.seed = uint64_t(args.get_int("seed", 1));
   const long shared = args.get_int("shared-prefix", 0);
-  const long step_tokens = args.get_int("max-step-tokens", SchedulerOptions().max_step_tokens);
+  const int step_tokens = parse_max_step_tokens(args);
   if (base.input_len < 1 || base.output_len < 1) fail("--input-len and --output-len must be >= 1");
   if (!(base.rate > 0)) fail("--request-rate must be > 0 requests per second (default: all at once)");
   if (shared < 0) fail("--shared-prefix must be >= 0 tokens, got ", shared);
-  if (step_tokens < 1) fail("--max-step-tokens must be >= 1, got ", step_tokens);
   const std::string pc = args.get("prefix-cache", "on");
   if (pc != "on" && pc != "off") fail("--prefix-cache must be on or off, got '", pc, "'");
   SchedulerOptions sched;
-  sched.max_step_tokens = int(step_tokens), sched.prefix_cache = pc == "on";
+  sched.max_step_tokens = step_tokens, sched.prefix_cache = pc == "on";
   BenchSource src = bench_source(args, backend == "cuda");
   const int max_c = *std::max_element(levels.begin(), levels.end());
   ModelOptions opt;

@@ -81,8 +81,7 @@ int run_serve(int argc, char** argv) {
   if (opt.max_seqs < 1 || opt.max_seqs > 4096) fail("--max-seqs must be in [1, 4096], got ", opt.max_seqs);
   opt.max_queue = int(args.get_int("max-queue", -1));
   if (opt.max_queue < -1 || opt.max_queue > 65536) fail("--max-queue must be in [0, 65536], got ", opt.max_queue);
-  const long step_tokens = args.get_int("max-step-tokens", SchedulerOptions().max_step_tokens);
-  if (step_tokens < 1 || step_tokens > 65536) fail("--max-step-tokens must be in [1, 65536], got ", step_tokens);
+  const int step_tokens = parse_max_step_tokens(args);
   opt.drain_timeout_s = args.get_float("drain-timeout", 30);
   if (!(opt.drain_timeout_s >= 0)) fail("--drain-timeout must be >= 0 seconds");
   const std::string model_dir = args.require("model");
@@ -104,7 +103,7 @@ int run_serve(int argc, char** argv) {
   eo.eos = tok->eos_id() >= 0 ? tok->eos_id() : lm.model->args().eos_token_id;
   eo.vocab_limit = tok->vocab_size();
   eo.max_seqs = opt.max_seqs;
-  eo.max_step_tokens = int(step_tokens);  // the prefill chunk: larger steps, more throughput, longer decode stalls
+  eo.max_step_tokens = step_tokens;  // the prefill chunk: larger steps, more throughput, longer decode stalls
   Scheduler engine(*lm.model, eo);
   engine.start();
 

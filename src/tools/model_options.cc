@@ -7,6 +7,7 @@
 #include "core/thread_pool.h"
 #include "dist/comm.h"
 #include "io/checkpoint.h"
+#include "runtime/scheduler.h"
 
 namespace dsv3 {
 
@@ -34,6 +35,12 @@ WeightMemory parse_weight_memory(const Args& args) {
 std::string default_backend() {
   auto names = backend_names();
   return std::find(names.begin(), names.end(), "cpu") != names.end() ? "cpu" : "ref";
+}
+
+int parse_max_step_tokens(const Args& args) {
+  const long n = args.get_int("max-step-tokens", SchedulerOptions().max_step_tokens);
+  if (n < 1 || n > 65536) fail("--max-step-tokens must be in [1, 65536], got ", n);
+  return int(n);
 }
 
 LoadedModel load_model(const Args& args, int slots, int max_len, const std::string& backend) {

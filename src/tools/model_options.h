@@ -15,6 +15,8 @@ AttnImpl parse_attn(const std::string& s);
 // --weight-memory auto|map|copy (default auto; backend/backend.h WeightMemory).
 WeightMemory parse_weight_memory(const Args& args);
 std::string default_backend();  // "cpu" when this build has it, else "ref"
+// --max-step-tokens N: the scheduler's token budget per step (default SchedulerOptions'), in [1, 65536].
+int parse_max_step_tokens(const Args& args);
 
 struct LoadedModel {
   std::unique_ptr<Model> model;
