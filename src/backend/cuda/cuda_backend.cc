@@ -485,8 +485,14 @@ void CudaBackend::run_fused(const StepGraph& g, const Step& s, const Node& nd) {
 }
 
 void CudaBackend::gather_rows(const float* x, int64_t d, const int64_t* rows, int64_t m, float* y) {
-  for (int64_t r = 0; r < m; ++r)  // device-to-device copies: recordable, no host round trip
-    CK(cudaMemcpyAsync(y + r * d, x + rows[r] * d, size_t(d) * 4, cudaMemcpyDeviceToDevice, stream_));
+  // Device-to-device copies (recordable, no host round trip), one per run of consecutive rows: a
+  // decode step's rows are a single run (not a copy per row: 256 at 256 tokens).
+  for (int64_t r = 0; r < m;) {
+    int64_t e = r + 1;
+    while (e < m && rows[e] == rows[e - 1] + 1) ++e;
+    CK(cudaMemcpyAsync(y + r * d, x + rows[r] * d, size_t((e - r) * d) * 4, cudaMemcpyDeviceToDevice, stream_));
+    r = e;
+  }
 }
 
 void CudaBackend::embed(const Step& s, const TensorView& table, int64_t row0, float* y) {
