@@ -170,6 +170,7 @@ class CudaBackend final : public Backend {
   cuda::MoeSched sched(int64_t n, int E, int K, int S);
   bool moe_swap(const MoeTable& T, int64_t n) const;
   bool fp8_moe(const MoeTable& T, int64_t n, int64_t dim) const;
+  bool absorbed_step(const Step& s) const;
 
   // ---- attention (cuda_mla.cc)
   cuda::MlaDims mla_dims(const MlaCall& c, const DevPos** pos);

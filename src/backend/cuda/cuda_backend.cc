@@ -381,7 +381,7 @@ void CudaBackend::run(const StepGraph& g, const Step& s, const AfterNode& after)
   // Steps of up to graph_max tokens are recorded the second time their graph runs (the first
   // grows the scratch buffers) and replayed after. Steps with long runs of one sequence (32+
   // tokens) carry host positions in their attention launches: never recorded.
-  const bool record = opt_.graphs && !opt_.profile && !after && s.n <= opt_.tune.graph_max && s.n < 32;
+  const bool record = opt_.graphs && !opt_.profile && !after && s.n <= opt_.tune.graph_max && absorbed_step(s);
   if (record) {
     Graph& gr = graphs_[GraphKey{g.id, s.kv.rows, std::vector<int64_t>(s.logit_rows, s.logit_rows + s.m)}];
     if (gr.exec) {

@@ -24,7 +24,7 @@ struct CudaOptions {
     int gemv_max = 8;      // the GEMV kernels up to this many tokens, tensor cores above
     int tc_min = 9;        // from this many tokens: the pipelined tensor-core GEMM for bf16 (and e4m3) weights and,
                            // for long runs of one sequence, the prefill attention over decompressed K/V
-    int graph_max = 16;    // steps of up to this many tokens are recorded
+    int graph_max = 256;   // steps of up to this many tokens are recorded
     int attn_many_min = 17;  // decode attention of at least this many tokens on the many-token kernel (mla_decode_many)
     int fast_min = 64;     // fast mode and FP8 GEMM mode only for steps of at least this many tokens
     int tcv_max = 8;       // GEMVs of up to this many tokens on tensor cores where the weights fit (kernels_tcgemv.cu)

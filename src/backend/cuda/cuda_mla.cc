@@ -56,6 +56,13 @@ int log2_exact(int b) {
 
 }  // namespace
 
+// Whether every token of the step takes the absorbed form: no run of one sequence long enough for
+// the long-run form, whose launches carry host positions (such steps are never recorded).
+bool CudaBackend::absorbed_step(const Step& s) const {
+  int64_t nd = s.n;
+  return s.n < 32 || !use_tc(s.n) || split_runs(s.pos, s.n, &nd).empty();
+}
+
 cuda::MlaDims CudaBackend::mla_dims(const MlaCall& c, const DevPos** pos) {
   const ModelArgs& a = *c.a;
   const KvView& kv = c.step->kv;
@@ -129,7 +136,8 @@ void CudaBackend::mla_absorbed(const MlaCall& c, const cuda::MlaDims& d, const c
   da.hb = cuda::mla_decode_heads(n);
   const bool one = n <= 16 && n < opt_.tune.attn_many_min && cuda::mla_decode_ok(d, n, kAttnCounters, da.hb);
   const bool many = !one && n >= opt_.tune.attn_many_min && cuda::mla_many_ok(d);
-  if (many && !(opt_.graphs && n <= opt_.tune.graph_max))  // (a step that may be recorded keeps max_len)
+  // (A step that may be recorded has no host lengths: each token's own length splits it.)
+  if (many && !(opt_.graphs && n <= opt_.tune.graph_max))
     for (int64_t i = 0; i < n; ++i) da.len_max = std::max<int64_t>(da.len_max, tp[i].pos + 1);
   const int ns = one    ? cuda::mla_decode_splits(d, n, 0, da.hb)
                  : many ? cuda::mla_many_splits(d, n, da.len_max)

@@ -7,6 +7,7 @@
 #include <algorithm>
 
 #include "backend/cuda/common.cuh"
+#include "backend/cuda/mla_splits.cuh"
 #include "backend/cuda/mma.cuh"
 #include "core/error.h"
 
@@ -495,12 +496,12 @@ __global__ void __launch_bounds__(128) values_kernel(MlaDims d, const DevPos* __
 }
 
 __global__ void values_reduce_kernel(MlaDims d, const DevPos* __restrict__ pos, int64_t n, int64_t chunk,
-                                     const float* __restrict__ part, const float* __restrict__ ml,
+                                     int64_t nsplit, const float* __restrict__ part, const float* __restrict__ ml,
                                      float* __restrict__ ol) {
   pdl_wait();
   pdl_trigger();
   const int64_t ih = blockIdx.x, i = ih / d.H;
-  const int64_t len = int64_t(pos[i].pos) + 1, ns = (len + chunk - 1) / chunk;
+  const int64_t len = int64_t(pos[i].pos) + 1, ck = many_chunk(chunk, len, nsplit), ns = (len + ck - 1) / ck;
   float M = -INFINITY;
   for (int64_t z = 0; z < ns; ++z) M = fmaxf(M, ml[(z * n * d.H + ih) * 2]);
   float Lsum = 0.f;
@@ -659,7 +660,8 @@ __global__ void __launch_bounds__(kManyThreads, 2) many_kernel(MlaDims d, const 
   const int64_t i = blockIdx.x;
   const int h0 = blockIdx.y * kManyHG, hb = min(kManyHG, d.H - h0), z = blockIdx.z;
   const DevPos p = pos[i];
-  const int64_t len = int64_t(p.pos) + 1, ts = int64_t(z) * chunk, te = min(len, ts + chunk);
+  const int64_t len = int64_t(p.pos) + 1, ck = many_chunk(chunk, len, a.nsplit), ts = int64_t(z) * ck,
+                te = min(len, ts + ck);
   if (ts >= len) return;  // (the reduction skips this split)
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   many_stage_rows(d, p.slot, ts, int(min(int64_t(kManyTP), te - ts)), a, kbuf);
@@ -784,9 +786,10 @@ void mla_decode_many(const Launch& L, const MlaDims& d, const DevPos* pos, int64
   DSV3_CHECK(a.nsplit >= 1 && (a.nsplit == 1 || (a.part && a.ml)), "many-token decode attention: split buffers");
   DSV3_CHECK(a.len_max <= d.max_len, "many-token decode attention: len_max ", a.len_max, " past ", d.max_len);
   const bool tc = !a.simple && mla_many_tc_ok(d);
-  // Each split's positions: whole tiles covering len_max (or max_len) over nsplit.
-  const int64_t len = a.len_max > 0 ? a.len_max : d.max_len, tile = tc ? kManyTcRows : kManyTP;
-  const int64_t chunk = ((len + a.nsplit - 1) / a.nsplit + tile - 1) / tile * tile;
+  // Each split's positions: whole tiles covering len_max over nsplit, or without len_max (a step
+  // that may be recorded) each token's own length over nsplit (many_chunk: chunk -tile).
+  const int64_t tile = tc ? kManyTcRows : kManyTP;
+  const int64_t chunk = a.len_max > 0 ? ((a.len_max + a.nsplit - 1) / a.nsplit + tile - 1) / tile * tile : -tile;
   if (tc) {
     mla_many_tc(L, d, pos, n, a, chunk);
   } else {
@@ -796,7 +799,8 @@ void mla_decode_many(const Launch& L, const MlaDims& d, const DevPos* pos, int64
            pos, n, a, chunk);
   }
   if (a.nsplit > 1)
-    launch(L, values_reduce_kernel, dim3(unsigned(n * d.H)), dim3(128), 0, d, pos, n, chunk, a.part, a.ml, a.ol);
+    launch(L, values_reduce_kernel, dim3(unsigned(n * d.H)), dim3(128), 0, d, pos, n, chunk, int64_t(a.nsplit),
+           a.part, a.ml, a.ol);
 }
 
 void mla_prep(const Launch& L, const MlaDims& d, bool naive, const MlaPrep& p) {
@@ -884,7 +888,8 @@ void mla_values(const Launch& L, const MlaDims& d, const DevPos* pos, int64_t n,
   const dim3 grid(unsigned(n * cdiv(d.H, hbs)), cdiv(d.C, 128), unsigned(a.nsplit));
   launch(L, values_kernel, grid, dim3(128), 0, d, pos, ValueBlocks{n, chunk, a.nsplit, hbs}, S, a.cache_kv, a);
   if (a.nsplit > 1)
-    launch(L, values_reduce_kernel, dim3(unsigned(n * d.H)), dim3(128), 0, d, pos, n, chunk, a.part, a.ml, a.ol);
+    launch(L, values_reduce_kernel, dim3(unsigned(n * d.H)), dim3(128), 0, d, pos, n, chunk, int64_t(a.nsplit),
+           a.part, a.ml, a.ol);
 }
 
 namespace {

@@ -11,6 +11,7 @@
 #include <algorithm>
 
 #include "backend/cuda/common.cuh"
+#include "backend/cuda/mla_splits.cuh"
 #include "backend/cuda/mma.cuh"
 #include "core/error.h"
 
@@ -73,7 +74,8 @@ __global__ void __launch_bounds__(kWarps * 32, 2) many_tc_kernel(MlaDims d, cons
   const int64_t i = blockIdx.x;
   const int h0 = blockIdx.y * kHeads, hb = min(kHeads, d.H - h0), z = blockIdx.z;
   const DevPos p = pos[i];
-  const int64_t len = int64_t(p.pos) + 1, ts = int64_t(z) * chunk, te = min(len, ts + chunk);
+  const int64_t len = int64_t(p.pos) + 1, ck = many_chunk(chunk, len, a.nsplit), ts = int64_t(z) * ck,
+                te = min(len, ts + ck);
   if (ts >= len) return;  // (the reduction skips this split)
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   tc_stage_rows(d, p.slot, ts, int(min(int64_t(kManyTcRows), te - ts)), a, sb + S.rows(0), S.CRp);
@@ -219,7 +221,8 @@ bool mla_many_tc_ok(const MlaDims& d) {
 }
 
 void mla_many_tc(const Launch& L, const MlaDims& d, const DevPos* pos, int64_t n, const DecodeAttn& a, int64_t chunk) {
-  DSV3_CHECK(mla_many_tc_ok(d) && chunk % kManyTcRows == 0, "tensor-core many-token attention: shape");
+  DSV3_CHECK(mla_many_tc_ok(d) && (chunk > 0 ? chunk : -chunk) % kManyTcRows == 0,
+             "tensor-core many-token attention: shape");
   const size_t smem = TcSmem{d.C + d.R + kPad}.bytes();
   allow_smem(many_tc_kernel, smem);
   launch(L, many_tc_kernel, dim3(unsigned(n), cdiv(d.H, kHeads), unsigned(a.nsplit)), dim3(kWarps * 32), smem, d,

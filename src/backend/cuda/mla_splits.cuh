@@ -17,6 +17,14 @@ __device__ __forceinline__ int64_t dec_chunk(int64_t len, int64_t nsplit) {
   const int64_t c = (len + nsplit - 1) / nsplit;
   return (c + kDecMinChunk - 1) / kDecMinChunk * kDecMinChunk;
 }
+// The many-token attention's positions per split (kernels_mla.cu, kernels_mla_many.cu): `chunk` for
+// every token, or where chunk < 0 (a step that may be recorded: no host lengths) the token's own
+// length over the nsplit splits in whole tiles of -chunk rows, so a short sequence keeps every split.
+__device__ __forceinline__ int64_t many_chunk(int64_t chunk, int64_t len, int64_t nsplit) {
+  if (chunk > 0) return chunk;
+  const int64_t c = (len + nsplit - 1) / nsplit;
+  return (c - chunk - 1) / -chunk * -chunk;
+}
 // The splits that hold positions of a token of `len` positions, `chunk` (dec_chunk) per split.
 __device__ __forceinline__ int dec_splits(int64_t len, int64_t chunk) { return int((len + chunk - 1) / chunk); }
 
