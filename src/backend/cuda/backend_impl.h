@@ -43,6 +43,7 @@ size_t align256(size_t n);
 // experts), built on first use.
 struct MoeTable {
   cuda::DevExpert* dev = nullptr;  // [E + S]
+  void* tmaps = nullptr;           // e4m3 experts: their TMA tensor maps (cuda::moe_f8_tmaps), or null
   int S = 0;                  // shared-expert slices
   int64_t rows13 = 0;         // largest w1.rows
   int64_t rows2 = 0;          // w2.rows (dim)

@@ -170,7 +170,7 @@ CudaBackend::~CudaBackend() {
   for (auto& s : scratch_)
     if (s.p) cudaFree(s.p);
   for (void* p : owned_) cudaFree(p);
-  for (auto& [k, t] : moe_) cudaFree(t.dev);
+  for (auto& [k, t] : moe_) cudaFree(t.dev), cudaFree(t.tmaps);
   if (step_dev_) cudaFree(step_dev_);
   if (cublas_) cublasDestroy(cublas_);
   for (auto& m : marks_) cudaEventDestroy(m.second);

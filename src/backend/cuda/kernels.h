@@ -241,12 +241,21 @@ struct TcJob {
   bool fp8 = false;       // e4m3 weights with 128x128 block scales (tc_ok_fp8; wgmma form, no in-flight group)
   bool swap = false;      // grouped stages, wgmma form, tm 128: weight rows as the MMA's M, the tile's tokens
                           // as its N (rounded up to 32), so a partly filled tile costs only its tokens
+  const void* tmaps = nullptr;  // grouped, moe_f8_gemm: the experts' tensor maps (moe_f8_tmaps)
 };
 // Output tiles of a plain job (occupancy: split-K pays below ~2 tiles per SM).
 int64_t tc_out_tiles(int64_t M, int64_t N, bool swiglu, int tm);
 // grid_m: M tiles (tc_tiles(M, tm)) or, grouped, the schedule's max_tiles(); max_n: largest weight rows.
 void tc_gemm(const Launch& L, const TcJob& j, int64_t grid_m, int64_t max_n, int batch = 1);
 int64_t tc_tiles(int64_t M, int tm);
+// FP8 GEMM mode's grouped MoE stages with swapped operands (a_s, swap, tm 128; SwiGLU output in
+// float32) on the persistent warp-specialized kernel (kernels_moe_f8.cu); tc_gemm's swapped e4m3
+// form is its twin. grid_m and max_n as tc_gemm's.
+void moe_f8_gemm(const Launch& L, const TcJob& j, int64_t grid_m, int64_t max_n);
+// The TMA tensor maps moe_f8_gemm reads the experts' e4m3 weights through: w1, w3, w2 of each of
+// the n experts (boxes of 8 rows x 128 bytes, 128-byte swizzle), in device memory (cudaFree it);
+// null where the driver or a weight does not allow them.
+void* moe_f8_tmaps(const DevExpert* experts, int n);
 // max_n of a pair job (w_pair): the first weight's rows rounded up to whole tiles, then the second's.
 int64_t tc_pair_rows(const TcJob& j);
 // hi = bf16(x), lo = bf16(x - hi) (lo may be null) for `rows` rows of `cols` floats `ldx` apart,
