@@ -93,19 +93,28 @@ void CudaBackend::moe_op(const ModelArgs& a, const MoEWeights& w, const float* x
   if (tc) {
     // FP8 GEMM mode: x quantised for stage 0, whose SwiGLU output (float32) is quantised for stage 1.
     const bool f8 = fp8_moe(T, n, D);
-    cuda::TcJob j0 = f8 ? quant_input(x, n, D) : xs.a_hi ? xs : split_input(x, n, D, fast_at(n));
+    // (FP8 GEMM mode with swapped operands: the persistent kernel, tc_gemm's form its twin; its
+    // tokens quantised in pair order, so that TMA loads them)
+    const bool persist = f8 && swap && opt_.tune.moe_persist && T.tmaps;
+    auto quant_pairs = [&] {
+      cuda::TcJob q;
+      uint8_t* y8 = static_cast<uint8_t*>(scratch(kQ, size_t(P * D)));
+      float* ys = f32(kQs, size_t(P * D / 128));
+      cuda::act_quant_rows(L_, x, s.perm, P, D, ue8m0_, y8, ys);
+      q.a_hi = y8, q.lda = D, q.a_s = ys, q.ldas = D / 128, q.M = P;
+      return q;
+    };
+    cuda::TcJob j0 = persist ? quant_pairs() : f8 ? quant_input(x, n, D) : xs.a_hi ? xs : split_input(x, n, D, fast_at(n));
     if (fast_at(n)) j0.a_lo = nullptr;
     set_form(j0, T.k64, T.wtype);  // tile rows as the schedule's (by the weight type)
     if (swap) j0.tm = 128, j0.swap = true;  // (moe_swap: the wgmma form)
-    j0.grouped = true, j0.experts = T.dev, j0.a_idx = s.perm, j0.tmaps = T.tmaps;
+    j0.grouped = true, j0.experts = T.dev, j0.a_idx = persist ? nullptr : s.perm, j0.tmaps = T.tmaps;
     j0.cnt = s.cnt, j0.off = s.off, j0.tile_e = s.tile_e, j0.tile_m0 = s.tile_m0, j0.n_tiles = s.n_tiles;
     cuda::TcJob j1 = j0;
     j0.stage = 0, j0.swiglu = true, j0.o_f32 = f8;
     j0.o_hi = scratch(kHi2, size_t(P * T.rows13) * (f8 ? 4 : 2));
     j0.o_lo = fast_at(n) || f8 ? nullptr : scratch(kLo2, size_t(P * T.rows13) * 2);
     j0.ldo = T.rows13;
-    // (FP8 GEMM mode with swapped operands: the persistent kernel, tc_gemm's form its twin)
-    const bool persist = f8 && swap && opt_.tune.moe_persist && T.tmaps;
     auto gemm = [&](const cuda::TcJob& j, int64_t rows) {
       if (persist) cuda::moe_f8_gemm(L_, j, s.max_tiles(), rows);
       else cuda::tc_gemm(L_, j, s.max_tiles(), rows);

@@ -100,6 +100,9 @@ void sample_rows(const Launch& L, const float* x, int64_t rows, int64_t cols, in
 // kernel.py's act_quant(x, 128, scale_fmt) on x [rows, cols] (cols % 128 == 0): y e4m3 bytes
 // [rows, cols], s [rows, cols / 128]; bit-identical to the reference (tests: golden kernels).
 void act_quant(const Launch& L, const float* x, int64_t rows, int64_t cols, bool ue8m0, uint8_t* y, float* s);
+// The same with output row r taken from row idx[r] of x (the MoE's tokens gathered into pair order).
+void act_quant_rows(const Launch& L, const float* x, const int32_t* idx, int64_t rows, int64_t cols, bool ue8m0,
+                    uint8_t* y, float* s);
 // Fills n elements of type t with reproducible pseudo-random values uniform in [-a, a]
 // (FP8: the e4m3 byte of such a value); kF32 with `a` exactly when const_value.
 void fill_random(const Launch& L, void* p, int32_t t, int64_t n, float a, uint64_t seed, bool const_value);

@@ -1,19 +1,21 @@
 // The grouped MoE stages of FP8 GEMM mode (e4m3 experts, e4m3 activations with a scale per token
-// and 128-K block), weights as the wgmma's A and each tile's tokens its N: the persistent form of
-// tc_gemm_kernel's swapped e4m3 form (kernels_tc.cu), which stays its twin.
+// and 128-K block), weights as the wgmma's A and each tile's tokens its N: a persistent,
+// warp-specialized form of tc_gemm_kernel's swapped e4m3 form (kernels_tc.cu), which stays its twin.
 //
-// One block per SM works through the launch's (token tile, weight tile) pairs in turn, token tiles
-// fastest (so the blocks running at once share weight tiles and read them from memory once).
-// Warps 8-11 are the producer: they stream each pair's 128-K blocks into a ring of kStages
-// shared-memory stages, running ahead across pairs, so the next pair's first blocks load under this
-// pair's MMAs and epilogue. The weight tile (128 rows of 128 bytes) comes by TMA, 16 boxes of 8 rows
-// through each expert matrix's tensor map (moe_f8_tmaps), issued by one thread; the token rows
-// (gathered through the pair table) and their scales by the producers' cp.async. Warps 0-7 are two consumer warpgroups of 64 weight rows each; a
-// warpgroup takes a stage when the producers mark it full (mbarrier), issues its four m64nNk32 MMAs,
-// adds the partial product into its float32 accumulator times the weight block's and each token's
-// scale, and marks the stage empty; there is no block-wide barrier, so one warpgroup's scaling
-// overlaps the other's MMAs. The epilogue writes from registers: with SwiGLU the weight tile interleaves w1 and w3 rows
-// in groups of 8, so each thread holds both halves of its outputs (MMA rows g and g + 8).
+// Clusters of two blocks, one cluster per two SMs, work through the launch's units in turn: a unit
+// is a token tile and two neighbouring weight tiles, one per block of the cluster (token tiles
+// fastest, so the clusters running at once share weight tiles and read them from memory once).
+// Each 128-K block of a unit goes through a ring of kStages shared-memory stages: the block's
+// producer thread loads its own weight tile by TMA (one box: with SwiGLU a 4-D tensor map
+// interleaves w1 and w3 rows in groups of 8) and half the token tile's 32-row boxes, multicast to
+// both blocks of the cluster, so each token byte crosses from L2 once per two weight tiles; the
+// tokens come quantised in pair order (act_quant_rows), so TMA can load them. The producer warps
+// copy the tokens' scales with cp.async. A stage is full when this block's weights and both halves
+// of the tokens have landed; it is empty when the consumers of both blocks are done with it (the
+// multicast writes into both). Warps 0-7 are two consumer warpgroups of 64 weight rows each: a
+// warpgroup issues its four m64nNk32 MMAs, adds the partial product into its float32 accumulator
+// times the weight block's and each token's scale, and marks the stage empty in both blocks. The
+// epilogue writes from registers (each thread holds the w1 and w3 rows of its outputs).
 // The products, the scale factors and the order of every float32 sum are the twin's.
 #include <cuda.h>
 
@@ -60,6 +62,59 @@ __device__ __forceinline__ void tma_load_2d(uint32_t dst, const void* map, int c
       : "memory");
 #endif
 }
+// The box at (c0, 0, 0, c3) of a 4-D tensor map (moe_f8_tmaps' w1 | w3 interleave).
+__device__ __forceinline__ void tma_load_4d(uint32_t dst, const void* map, int c0, int c3, uint32_t bar) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile(
+      "cp.async.bulk.tensor.4d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %3, %4}], "
+      "[%5];\n" ::"r"(dst),
+      "l"(map), "r"(c0), "r"(0), "r"(c3), "r"(bar)
+      : "memory");
+#endif
+}
+// tma_load_2d into the same offsets of every block of the cluster in `mask`, each block's barrier
+// at bar's offset counting the bytes it receives.
+__device__ __forceinline__ void tma_load_2d_mc(uint32_t dst, const void* map, int c0, int c1, uint32_t bar,
+                                               uint16_t mask) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile(
+      "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes.multicast::cluster [%0], [%1, {%2, "
+      "%3}], [%4], %5;\n" ::"r"(dst),
+      "l"(map), "r"(c0), "r"(c1), "r"(bar), "h"(mask)
+      : "memory");
+#endif
+}
+__device__ __forceinline__ uint32_t cluster_rank() {
+  uint32_t r = 0;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("mov.u32 %0, %%cluster_ctarank;\n" : "=r"(r));
+#endif
+  return r;
+}
+// Every thread of both blocks of the cluster (with release / acquire of shared memory).
+__device__ __forceinline__ void cluster_sync() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("barrier.cluster.arrive.release;\nbarrier.cluster.wait.acquire;\n" ::: "memory");
+#endif
+}
+// One arrival on the barrier at bar's offset in block `rank` of the cluster.
+__device__ __forceinline__ void mbar_arrive_in(uint32_t bar, uint32_t rank) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  uint32_t remote;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(remote) : "r"(bar), "r"(rank));
+  asm volatile("mbarrier.arrive.release.cluster.shared::cluster.b64 _, [%0];\n" ::"r"(remote) : "memory");
+#endif
+}
+// Until the barrier's phase of this parity has completed, its arrivals' writes (from either block
+// of the cluster) visible.
+__device__ __forceinline__ void mbar_wait_cluster(uint32_t bar, unsigned parity) {
+  asm volatile(
+      "{\n.reg .pred p;\nWAITC_%=:\n"
+      "mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 p, [%0], %1;\n"
+      "@!p bra WAITC_%=;\n}\n" ::"r"(bar),
+      "r"(parity)
+      : "memory");
+}
 // Until the barrier's phase of this parity has completed.
 __device__ __forceinline__ void mbar_wait(uint32_t bar, unsigned parity) {
   asm volatile(
@@ -70,13 +125,13 @@ __device__ __forceinline__ void mbar_wait(uint32_t bar, unsigned parity) {
       : "memory");
 }
 
-// Byte offset of (row, 16-byte chunk) in a 128-byte-row tile in the hardware's 128-byte swizzle.
-__device__ __forceinline__ int swz128(int row, int chunk) { return row * 128 + ((chunk ^ (row & 7)) << 4); }
 
-// One (token tile, weight tile) pair of the launch, as both roles see it.
+// One (token tile, weight tile) pair of the launch, as both roles see it: unit w's token tile and
+// this block's weight tile of the unit (2 (w / n_tiles) + the block's rank; with an odd number of
+// weight tiles the last unit's second lies past the rows: TMA fills it with zeros, nothing is written).
 struct Pair {
-  bool run;
-  int e;             // the expert          // false: the weight tile lies past this expert's rows
+  bool run;          // false: an empty token tile
+  int e;             // the expert
   int64_t m0, arow0;  // the token tile's first pair row within its expert, the expert's first pair row
   int Mv;            // tokens in the tile
   int64_t n0, N, K;  // first weight row (SwiGLU: first output), the stage's rows and K
@@ -85,7 +140,7 @@ struct Pair {
 
 __device__ __forceinline__ Pair pair_of(const TcJob& j, int64_t w, int64_t n_tiles) {
   Pair p;
-  const int64_t mt = w % n_tiles, nt = w / n_tiles;
+  const int64_t mt = w % n_tiles, nt = 2 * (w / n_tiles) + cluster_rank();
   const int e = j.tile_e[mt];
   p.e = e;
   p.m0 = j.tile_m0[mt];
@@ -96,58 +151,43 @@ __device__ __forceinline__ Pair pair_of(const TcJob& j, int64_t w, int64_t n_til
   p.W1 = X.w3;
   p.N = p.W0.rows, p.K = p.W0.cols;
   p.n0 = nt * (j.swiglu ? kRows / 2 : kRows);
-  p.run = p.n0 < p.N && p.Mv > 0;
+  p.run = p.Mv > 0;
   return p;
 }
 
-// The producer warpgroup: every pair's K blocks into the ring. Its first thread issues the weight
-// tile's 16 TMA boxes (8 rows each: with SwiGLU w1 and w3 rows alternate in groups of 8, box b
-// holding outputs 8 (b / 2) .. of w1 (b even) or w3), counted on the stage's full barrier. Thread p
-// copies 16-byte chunk p % 8 of token rows p / 8 + 16 i (i < 8) and token p's scale; at a pair's
-// start it works out those rows' addresses once. Each warp signals stage s full once its copies of
-// stage s have landed (and are made visible to the async proxy), kLag stages behind the newest it
-// issued.
-__device__ void produce(const TcJob& j, int64_t total, int64_t n_tiles, uint8_t* smem, uint32_t full, uint32_t empty) {
-  constexpr int kPer = kRows * 8 / kProducers;  // rows per thread
-  const int pt = int(threadIdx.x) - kConsumers, ch = pt & 7, r0 = pt >> 3;
-  const uint8_t* xa = static_cast<const uint8_t*>(j.a_hi);
+// The producer warpgroup: every unit's K blocks into the ring. Its first thread issues, per stage,
+// the expectation of the stage's bytes (this block's weight tile and the whole token tile), the
+// weight tile's TMA and this block's token boxes (32 rows each: box b from rank b % 2), multicast to
+// both blocks. Thread p copies token p's scale; each warp signals stage s full once its copies have
+// landed (and are made visible to the async proxy), kLag stages behind the newest it issued. Before
+// reusing a stage the producers wait until the consumers of both blocks have emptied it.
+__device__ void produce(const TcJob& j, const CUtensorMap* tok, int64_t total, int64_t n_tiles, uint8_t* smem,
+                        uint32_t full, uint32_t empty) {
+  const int pt = int(threadIdx.x) - kConsumers;
+  const uint32_t rank = cluster_rank();
   int it = 0;
-  for (int64_t w = blockIdx.x; w < total; w += gridDim.x) {
+  for (int64_t w = int64_t(blockIdx.x) / 2; w < total; w += int64_t(gridDim.x) / 2) {
     const Pair p = pair_of(j, w, n_tiles);
     if (!p.run) continue;
     const int NT = (p.Mv + 31) / 32 * 32;
-    const uint8_t* xp[kPer];
     const CUtensorMap* maps = static_cast<const CUtensorMap*>(j.tmaps) + 3 * p.e;
-    auto token_row = [&](int r) {
-      const int64_t pr = p.arow0 + p.m0 + min(r, p.Mv - 1);
-      return int64_t(j.a_idx ? j.a_idx[pr] : int32_t(pr));
-    };
-#pragma unroll
-    for (int i = 0; i < kPer; ++i) {
-      xp[i] = xa + token_row(r0 + 16 * i) * j.lda + ch * 16;
-    }
-    const float* sp = j.a_s + token_row(pt) * j.ldas;
+    const int64_t row0 = p.arow0 + p.m0;  // the tile's first row of the pair-ordered tokens
+    const float* sp = j.a_s + (row0 + min(pt, p.Mv - 1)) * j.ldas;
     const int nk = int(p.K / 128);
     for (int kt = 0; kt < nk; ++kt, ++it) {
       const int st = it % kStages;
-      if (it >= kStages) mbar_wait(empty + 8 * st, unsigned((it / kStages - 1) & 1));
+      if (it >= kStages) mbar_wait_cluster(empty + 8 * st, unsigned((it / kStages - 1) & 1));
       uint8_t* sw = smem + st * kStageB;
       uint8_t* sx = sw + kTileB;
-      const int64_t k = int64_t(kt) * 128;
+      const int k = kt * 128;
       if (pt == 0) {
         const uint32_t bar = full + 8 * st;
-        mbar_arrive_expect(bar, kTileB);
-        if (j.swiglu) {
-#pragma unroll 1
-          for (int b = 0; b < kRows / 8; ++b)  // w1 | w3
-            tma_load_2d(smem_addr(sw + b * 1024), maps + (b & 1), int(k), int(p.n0 + (b >> 1) * 8), bar);
-        } else {
-          tma_load_2d(smem_addr(sw), maps + 2, int(k), int(p.n0), bar);  // w2: one box of 128 rows
-        }
+        mbar_arrive_expect(bar, uint32_t(kTileB + NT * 128));
+        if (j.swiglu) tma_load_4d(smem_addr(sw), maps, k, int(p.n0 / 8), bar);
+        else tma_load_2d(smem_addr(sw), maps + 2, k, int(p.n0), bar);
+        for (int b = int(rank); b < NT / 32; b += 2)
+          tma_load_2d_mc(smem_addr(sx + b * 4096), tok, k, int(row0 + 32 * b), bar, uint16_t(3));
       }
-#pragma unroll
-      for (int i = 0; i < kPer; ++i)
-        if (r0 + 16 * i < NT) cp_async16(smem_addr(sx + swz128(r0 + 16 * i, ch)), xp[i] + k, r0 + 16 * i < p.Mv);
       if (pt < NT) cp_async4(smem_addr(sx + kTileB + 4 * pt), sp + kt, pt < p.Mv);
       cp_async_commit();
       if (it >= kLag) {
@@ -177,8 +217,9 @@ struct Work {
 __device__ __forceinline__ Work work_of(const TcJob& j, const Pair& p) {
   const DevLinear& Wb = j.swiglu ? p.W1 : p.W0;
   Work k;
-  k.sc0 = p.W0.s + ((p.W0.row0 + p.n0) >> 7) * p.W0.lds;
-  k.sc1 = Wb.s + ((Wb.row0 + p.n0) >> 7) * Wb.lds;  // (the same 128-row block: n0 % 64 == 0)
+  const int64_t n0 = min(p.n0, p.N - 1);  // (a weight tile past the rows reads the last block's scales)
+  k.sc0 = p.W0.s + ((p.W0.row0 + n0) >> 7) * p.W0.lds;
+  k.sc1 = Wb.s + ((Wb.row0 + n0) >> 7) * Wb.lds;  // (the same 128-row block: n0 % 64 == 0)
   k.col0 = p.W0.col0;
   k.nk = int(p.K / 128), k.Mv = p.Mv;
   k.n0 = p.n0, k.N = p.N, k.orow = p.arow0 + p.m0;
@@ -217,7 +258,7 @@ __device__ void consume(const TcJob& j, const Work& p, int& it, uint8_t* smem, u
 #pragma unroll
     for (int i = 0; i < NA; ++i) d[i] = fmaf(dp[i], ((i & 2) ? r1 : r0) * as[(i >> 2) * 8 + 2 * t + (i & 1)], d[i]);
     __syncwarp();
-    if (lane == 0) mbar_arrive(empty + 8 * st);
+    if (lane == 0) mbar_arrive_in(empty + 8 * st, 0), mbar_arrive_in(empty + 8 * st, 1);
     s0 = nx0, s1 = nx1;
   }
   const int r = q * 64 + (warp & 3) * 16 + g;  // tile row of accumulators i with !(i & 2)
@@ -248,34 +289,37 @@ __device__ void consume(const TcJob& j, const Work& p, int& it, uint8_t* smem, u
   }
 }
 
-__global__ void __launch_bounds__(kThreads, 1) moe_f8_kernel(TcJob j, int64_t n_wtiles) {
+__global__ void __launch_bounds__(kThreads, 1) moe_f8_kernel(TcJob j, const __grid_constant__ CUtensorMap tok,
+                                                              int64_t n_units) {
   extern __shared__ __align__(128) unsigned char smem_raw[];
   uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
   const uint32_t full = smem_addr(smem + kStages * kStageB), empty = full + 8 * kStages;
   if (threadIdx.x == 0) {
-    for (int s = 0; s < kStages; ++s) mbar_init(full + 8 * s, kProducers / 32 + 1), mbar_init(empty + 8 * s, kConsumers / 32);
+    for (int s = 0; s < kStages; ++s)
+      mbar_init(full + 8 * s, kProducers / 32 + 1), mbar_init(empty + 8 * s, 2 * kConsumers / 32);
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
   }
-  __syncthreads();
+  cluster_sync();  // both blocks' barriers exist before either block's TMA or arrivals reach them
   pdl_wait();
   pdl_trigger();
-  const int64_t n_tiles = *j.n_tiles, total = n_tiles * n_wtiles;
+  const int64_t n_tiles = *j.n_tiles, total = n_tiles * n_units;
   if (threadIdx.x >= kConsumers) {
-    produce(j, total, n_tiles, smem, full, empty);
-    return;
-  }
-  int it = 0;
-  for (int64_t w = blockIdx.x; w < total; w += gridDim.x) {
-    const Pair pr = pair_of(j, w, n_tiles);
-    if (!pr.run) continue;
-    const Work p = work_of(j, pr);
-    switch ((p.Mv + 31) / 32) {
-      case 1: consume<32>(j, p, it, smem, full, empty); break;
-      case 2: consume<64>(j, p, it, smem, full, empty); break;
-      case 3: consume<96>(j, p, it, smem, full, empty); break;
-      default: consume<128>(j, p, it, smem, full, empty); break;
+    produce(j, &tok, total, n_tiles, smem, full, empty);
+  } else {
+    int it = 0;
+    for (int64_t w = int64_t(blockIdx.x) / 2; w < total; w += int64_t(gridDim.x) / 2) {
+      const Pair pr = pair_of(j, w, n_tiles);
+      if (!pr.run) continue;
+      const Work p = work_of(j, pr);
+      switch ((p.Mv + 31) / 32) {
+        case 1: consume<32>(j, p, it, smem, full, empty); break;
+        case 2: consume<64>(j, p, it, smem, full, empty); break;
+        case 3: consume<96>(j, p, it, smem, full, empty); break;
+        default: consume<128>(j, p, it, smem, full, empty); break;
+      }
     }
   }
+  cluster_sync();  // neither block leaves while the other may still write into it or arrive on its barriers
 }
 
 }  // namespace
@@ -305,20 +349,32 @@ void* moe_f8_tmaps(const DevExpert* experts, int n) {
   if (!encode) return nullptr;
   std::vector<CUtensorMap> maps(size_t(n) * 3);
   std::memset(maps.data(), 0, maps.size() * sizeof(CUtensorMap));
+  auto base = [](const DevLinear& W) {
+    return const_cast<uint8_t*>(static_cast<const uint8_t*>(W.w)) + W.row0 * W.ld + W.col0;
+  };
+  const cuuint32_t step[4] = {1, 1, 1, 1};
   for (int e = 0; e < n; ++e) {
-    const DevLinear* ws[3] = {&experts[e].w1, &experts[e].w3, &experts[e].w2};
-    for (int m = 0; m < 3; ++m) {
-      const DevLinear& W = *ws[m];
-      if (!W.w) continue;  // another rank's expert
-      if (W.t != kFP8) return nullptr;
-      const cuuint64_t dims[2] = {cuuint64_t(W.cols), cuuint64_t(W.rows)}, strides[1] = {cuuint64_t(W.ld)};
-      const cuuint32_t box[2] = {128, m == 2 ? 128u : 8u}, step[2] = {1, 1};
-      void* base = const_cast<uint8_t*>(static_cast<const uint8_t*>(W.w)) + W.row0 * W.ld + W.col0;
-      if (encode(&maps[size_t(e) * 3 + size_t(m)], CU_TENSOR_MAP_DATA_TYPE_UINT8, 2, base, dims, strides, box, step,
-                 CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
-                 CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) != CUDA_SUCCESS)
-        return nullptr;
-    }
+    const DevLinear &w1 = experts[e].w1, &w3 = experts[e].w3, &w2 = experts[e].w2;
+    if (!w1.w) continue;  // another rank's expert
+    if (w1.t != kFP8 || w3.t != kFP8 || w2.t != kFP8) return nullptr;
+    // w1 | w3 as one 4-D tensor [groups of 8 rows][w1, w3][8 rows][cols]: a box of 8 groups is the
+    // tile's 128 rows with w1 and w3 alternating every 8 (w3 must lie after w1, 16-byte aligned).
+    const int64_t delta = base(w3) - base(w1);
+    if (w1.rows != w3.rows || w1.cols != w3.cols || w1.ld != w3.ld || w1.rows % 8 != 0 || delta <= 0 ||
+        delta % 16 != 0 || delta >= (int64_t(1) << 40))
+      return nullptr;
+    const cuuint64_t d13[4] = {cuuint64_t(w1.cols), 8, 2, cuuint64_t(w1.rows / 8)},
+                     s13[3] = {cuuint64_t(w1.ld), cuuint64_t(delta), cuuint64_t(8 * w1.ld)};
+    const cuuint32_t b13[4] = {128, 8, 2, 8};
+    const cuuint64_t d2[2] = {cuuint64_t(w2.cols), cuuint64_t(w2.rows)}, s2[1] = {cuuint64_t(w2.ld)};
+    const cuuint32_t b2[2] = {128, 128};
+    if (encode(&maps[size_t(e) * 3], CU_TENSOR_MAP_DATA_TYPE_UINT8, 4, base(w1), d13, s13, b13, step,
+               CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+               CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) != CUDA_SUCCESS ||
+        encode(&maps[size_t(e) * 3 + 2], CU_TENSOR_MAP_DATA_TYPE_UINT8, 2, base(w2), d2, s2, b2, step,
+               CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+               CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) != CUDA_SUCCESS)
+      return nullptr;
   }
   void* d = nullptr;
   if (cudaMalloc(&d, maps.size() * sizeof(CUtensorMap)) != cudaSuccess) return nullptr;
@@ -331,13 +387,36 @@ void* moe_f8_tmaps(const DevExpert* experts, int n) {
 
 void moe_f8_gemm(const Launch& L, const TcJob& j, int64_t grid_m, int64_t max_n) {
   DSV3_CHECK(j.tmaps, "moe_f8_gemm: the experts' tensor maps (moe_f8_tmaps)");
-  DSV3_CHECK(j.grouped && j.swap && j.a_s && j.fp8 && !j.a_lo && j.splits == 1 && !j.w_pair.w &&
-                 (!j.swiglu || j.o_f32) && j.tm == kToks,
-             "moe_f8_gemm: grouped FP8 GEMM-mode stages with swapped operands, 128-token tiles, float32 output");
-  const int64_t n_wtiles = (max_n + (j.swiglu ? kRows / 2 : kRows) - 1) / (j.swiglu ? kRows / 2 : kRows);
-  const int64_t blocks = std::min<int64_t>(device_sms(), std::max<int64_t>(1, grid_m * n_wtiles));
+  DSV3_CHECK(j.grouped && j.swap && j.a_s && j.fp8 && !j.a_lo && !j.a_idx && j.M > 0 && j.lda % 16 == 0 &&
+                 j.splits == 1 && !j.w_pair.w && (!j.swiglu || j.o_f32) && j.tm == kToks,
+             "moe_f8_gemm: grouped FP8 GEMM-mode stages with swapped operands, pair-ordered tokens (M rows), "
+             "128-token tiles, float32 output");
+  // The tokens [M pair rows, lda] in 32-row boxes of 128 bytes (rows past M read as zeros).
+  CUtensorMap tok;
+  const cuuint64_t dims[2] = {cuuint64_t(j.lda), cuuint64_t(j.M)}, strides[1] = {cuuint64_t(j.lda)};
+  const cuuint32_t box[2] = {128, 32}, step[2] = {1, 1};
+  const EncodeTiled encode = encode_tiled();
+  DSV3_CHECK(encode && encode(&tok, CU_TENSOR_MAP_DATA_TYPE_UINT8, 2, const_cast<void*>(j.a_hi), dims, strides, box,
+                              step, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+                              CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS,
+             "moe_f8_gemm: the tokens' tensor map");
+  const int64_t rows = j.swiglu ? kRows / 2 : kRows, n_wtiles = (max_n + rows - 1) / rows,
+                n_units = (n_wtiles + 1) / 2;
+  const int64_t clusters = std::min<int64_t>(device_sms() / 2, std::max<int64_t>(1, grid_m * n_units));
   allow_smem(moe_f8_kernel, kSmem);
-  launch(L, moe_f8_kernel, dim3(unsigned(blocks)), dim3(kThreads), kSmem, j, n_wtiles);
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3(unsigned(2 * clusters));
+  cfg.blockDim = dim3(kThreads);
+  cfg.dynamicSmemBytes = kSmem;
+  cfg.stream = L.stream;
+  cudaLaunchAttribute attr[2];
+  attr[0].id = cudaLaunchAttributeClusterDimension;
+  attr[0].val.clusterDim.x = 2, attr[0].val.clusterDim.y = 1, attr[0].val.clusterDim.z = 1;
+  attr[1].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[1].val.programmaticStreamSerializationAllowed = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = L.pdl ? 2 : 1;
+  DSV3_CUDA_CHECK(cudaLaunchKernelEx(&cfg, moe_f8_kernel, j, tok, n_units));
 }
 
 }  // namespace dsv3::cuda
