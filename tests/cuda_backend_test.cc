@@ -617,7 +617,11 @@ TEST(CudaOps, PersistentFp8MoeMatchesTwin) {
   const std::vector<int64_t> golden_ns = {37, 300, 2000}, wide_ns = {3, 200, 517};
   for (const ModelArgs* shape : {static_cast<const ModelArgs*>(nullptr), static_cast<const ModelArgs*>(&wide)}) {
     const std::vector<int64_t>& ns = shape ? wide_ns : golden_ns;
-    const auto got = run(true, shape, ns), want = run(false, shape, ns);
+    testing::internal::CaptureStderr();
+    const auto got = run(true, shape, ns);
+    const std::string warned = testing::internal::GetCapturedStderr();
+    EXPECT_EQ(warned.find("slower GEMM form"), std::string::npos) << "the persistent kernel did not run: " << warned;
+    const auto want = run(false, shape, ns);
     for (size_t i = 0; i < ns.size(); ++i) {
       const double err = rel_l2(got[i].data(), want[i].data(), want[i].size());
       std::printf("persistent fp8 moe %s n=%lld: rel %.3g against the twin\n", shape ? "16B" : "golden",

@@ -231,6 +231,7 @@ class CudaBackend final : public Backend {
   cuda::Launch L_;
   cublasHandle_t cublas_ = nullptr;
   bool wgmma_ = false;  // the pipelined kernel's wgmma form may run (an sm_90 device)
+  bool tmaps_warned_ = false;  // the warning that the FP8 experts lack tensor maps was printed
   bool ue8m0_ = false;  // the model's activation scales are powers of two (scale_fmt "ue8m0": act_quant)
   std::vector<void*> owned_;
   Buf scratch_[kNumSlots];

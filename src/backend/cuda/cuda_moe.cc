@@ -3,6 +3,8 @@
 // few tokens, the grouped tensor-core GEMM of many), and the weighted combine — at the end of
 // the op, or in the next node (a deferred combine: kCombineAddRmsNorm and its pair form).
 #include <algorithm>
+#include <cstdio>
+#include <string>
 
 #include "backend/cuda/backend_impl.h"
 #include "core/error.h"
@@ -260,7 +262,14 @@ const MoeTable& CudaBackend::moe_table(const ModelArgs& a, const MoEWeights& w) 
     T.rows13 = std::max(T.rows13, e.w1.rows);
     T.rows2 = std::max(T.rows2, e.w2.rows);
   }
-  if (T.wtype == cuda::kFP8 && wgmma_) T.tmaps = cuda::moe_f8_tmaps(v.data(), int(v.size()));
+  if (T.wtype == cuda::kFP8 && wgmma_) {
+    std::string why;
+    T.tmaps = cuda::moe_f8_tmaps(v.data(), int(v.size()), &why);
+    if (!T.tmaps && opt_.fp8_gemm && !tmaps_warned_) {
+      std::fprintf(stderr, "dsv3: warning: the FP8 experts run on the slower GEMM form: %s\n", why.c_str());
+      tmaps_warned_ = true;
+    }
+  }
   CK(cudaMalloc(&T.dev, v.size() * sizeof(cuda::DevExpert)));
   CK(cudaMemcpy(T.dev, v.data(), v.size() * sizeof(cuda::DevExpert), cudaMemcpyHostToDevice));
   return moe_.emplace(key, T).first->second;

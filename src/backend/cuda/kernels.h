@@ -7,6 +7,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <string>
 
 #ifdef __CUDACC__
 #define DSV3_HD __host__ __device__
@@ -256,9 +257,9 @@ int64_t tc_tiles(int64_t M, int tm);
 // form is its twin. grid_m and max_n as tc_gemm's.
 void moe_f8_gemm(const Launch& L, const TcJob& j, int64_t grid_m, int64_t max_n);
 // The TMA tensor maps moe_f8_gemm reads the experts' e4m3 weights through: w1, w3, w2 of each of
-// the n experts (boxes of 8 rows x 128 bytes, 128-byte swizzle), in device memory (cudaFree it);
-// null where the driver or a weight does not allow them.
-void* moe_f8_tmaps(const DevExpert* experts, int n);
+// the n experts (w1 | w3 interleaved every 8 rows in one 128-row box, 128-byte swizzle), in device
+// memory (cudaFree it); null where the driver or a weight does not allow them, *why then says which.
+void* moe_f8_tmaps(const DevExpert* experts, int n, std::string* why);
 // max_n of a pair job (w_pair): the first weight's rows rounded up to whole tiles, then the second's.
 int64_t tc_pair_rows(const TcJob& j);
 // hi = bf16(x), lo = bf16(x - hi) (lo may be null) for `rows` rows of `cols` floats `ldx` apart,

@@ -344,9 +344,13 @@ EncodeTiled encode_tiled() {  // the driver's cuTensorMapEncodeTiled, through th
 
 }  // namespace
 
-void* moe_f8_tmaps(const DevExpert* experts, int n) {
+void* moe_f8_tmaps(const DevExpert* experts, int n, std::string* why) {
+  auto refuse = [&](const char* m) -> void* {
+    *why = m;
+    return nullptr;
+  };
   const EncodeTiled encode = encode_tiled();
-  if (!encode) return nullptr;
+  if (!encode) return refuse("the driver has no cuTensorMapEncodeTiled");
   std::vector<CUtensorMap> maps(size_t(n) * 3);
   std::memset(maps.data(), 0, maps.size() * sizeof(CUtensorMap));
   auto base = [](const DevLinear& W) {
@@ -356,13 +360,13 @@ void* moe_f8_tmaps(const DevExpert* experts, int n) {
   for (int e = 0; e < n; ++e) {
     const DevLinear &w1 = experts[e].w1, &w3 = experts[e].w3, &w2 = experts[e].w2;
     if (!w1.w) continue;  // another rank's expert
-    if (w1.t != kFP8 || w3.t != kFP8 || w2.t != kFP8) return nullptr;
+    if (w1.t != kFP8 || w3.t != kFP8 || w2.t != kFP8) return refuse("an expert matrix is not e4m3");
     // w1 | w3 as one 4-D tensor [groups of 8 rows][w1, w3][8 rows][cols]: a box of 8 groups is the
     // tile's 128 rows with w1 and w3 alternating every 8 (w3 must lie after w1, 16-byte aligned).
     const int64_t delta = base(w3) - base(w1);
     if (w1.rows != w3.rows || w1.cols != w3.cols || w1.ld != w3.ld || w1.rows % 8 != 0 || delta <= 0 ||
         delta % 16 != 0 || delta >= (int64_t(1) << 40))
-      return nullptr;
+      return refuse("w3 does not follow w1 in one allocation");
     const cuuint64_t d13[4] = {cuuint64_t(w1.cols), 8, 2, cuuint64_t(w1.rows / 8)},
                      s13[3] = {cuuint64_t(w1.ld), cuuint64_t(delta), cuuint64_t(8 * w1.ld)};
     const cuuint32_t b13[4] = {128, 8, 2, 8};
@@ -374,13 +378,13 @@ void* moe_f8_tmaps(const DevExpert* experts, int n) {
         encode(&maps[size_t(e) * 3 + 2], CU_TENSOR_MAP_DATA_TYPE_UINT8, 2, base(w2), d2, s2, b2, step,
                CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
                CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) != CUDA_SUCCESS)
-      return nullptr;
+      return refuse("the driver refused an expert's tensor map");
   }
   void* d = nullptr;
-  if (cudaMalloc(&d, maps.size() * sizeof(CUtensorMap)) != cudaSuccess) return nullptr;
+  if (cudaMalloc(&d, maps.size() * sizeof(CUtensorMap)) != cudaSuccess) return refuse("out of device memory");
   if (cudaMemcpy(d, maps.data(), maps.size() * sizeof(CUtensorMap), cudaMemcpyHostToDevice) != cudaSuccess) {
     cudaFree(d);
-    return nullptr;
+    return refuse("the tensor maps' copy failed");
   }
   return d;
 }
