@@ -364,9 +364,10 @@ void* moe_f8_tmaps(const DevExpert* experts, int n, std::string* why) {
     // w1 | w3 as one 4-D tensor [groups of 8 rows][w1, w3][8 rows][cols]: a box of 8 groups is the
     // tile's 128 rows with w1 and w3 alternating every 8 (w3 must lie after w1, 16-byte aligned).
     const int64_t delta = base(w3) - base(w1);
-    if (w1.rows != w3.rows || w1.cols != w3.cols || w1.ld != w3.ld || w1.rows % 8 != 0 || delta <= 0 ||
-        delta % 16 != 0 || delta >= (int64_t(1) << 40))
-      return refuse("w3 does not follow w1 in one allocation");
+    if (w1.rows != w3.rows || w1.cols != w3.cols || w1.ld != w3.ld || w1.rows % 8 != 0)
+      return refuse("w1 and w3 differ in shape or row stride, or have rows not in whole groups of 8");
+    if (delta <= 0) return refuse("w3 lies before w1 in device memory");
+    if (delta % 16 != 0 || delta >= (int64_t(1) << 40)) return refuse("w3 lies too far from w1, or not 16-byte aligned");
     const cuuint64_t d13[4] = {cuuint64_t(w1.cols), 8, 2, cuuint64_t(w1.rows / 8)},
                      s13[3] = {cuuint64_t(w1.ld), cuuint64_t(delta), cuuint64_t(8 * w1.ld)};
     const cuuint32_t b13[4] = {128, 8, 2, 8};
