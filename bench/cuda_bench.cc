@@ -255,12 +255,7 @@ int main(int argc, char** argv) {
         o.tune.moe_tiles = t;
         vars.push_back({name, o, true, false});
       }
-      if (asked("graphs-256")) {  // decode steps of up to 256 tokens recorded as graphs (default: tune.graph_max)
-        CudaOptions o = base;
-        o.tune.graph_max = 256;
-        vars.push_back({"graphs-256", o, true, false});
-      }
-      if (asked("graphs-16")) {
+      if (asked("graphs-16")) {  // only decode steps of up to 16 tokens recorded as graphs (default: 256)
         CudaOptions o = base;
         o.tune.graph_max = 16;
         vars.push_back({"graphs-16", o, true, false});
