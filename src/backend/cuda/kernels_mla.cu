@@ -501,7 +501,7 @@ __global__ void values_reduce_kernel(MlaDims d, const DevPos* __restrict__ pos, 
   pdl_wait();
   pdl_trigger();
   const int64_t ih = blockIdx.x, i = ih / d.H;
-  const int64_t len = int64_t(pos[i].pos) + 1, ck = many_chunk(chunk, len, nsplit), ns = (len + ck - 1) / ck;
+  const int64_t len = int64_t(pos[i].pos) + 1, ns = dec_splits(len, many_chunk(chunk, len, nsplit));
   float M = -INFINITY;
   for (int64_t z = 0; z < ns; ++z) M = fmaxf(M, ml[(z * n * d.H + ih) * 2]);
   float Lsum = 0.f;
@@ -789,7 +789,7 @@ void mla_decode_many(const Launch& L, const MlaDims& d, const DevPos* pos, int64
   // Each split's positions: whole tiles covering len_max over nsplit, or without len_max (a step
   // that may be recorded) each token's own length over nsplit (many_chunk: chunk -tile).
   const int64_t tile = tc ? kManyTcRows : kManyTP;
-  const int64_t chunk = a.len_max > 0 ? ((a.len_max + a.nsplit - 1) / a.nsplit + tile - 1) / tile * tile : -tile;
+  const int64_t chunk = a.len_max > 0 ? split_tiles(a.len_max, a.nsplit, tile) : -tile;
   if (tc) {
     mla_many_tc(L, d, pos, n, a, chunk);
   } else {

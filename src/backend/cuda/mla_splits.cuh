@@ -11,19 +11,18 @@ constexpr int kDecPass = 128;               // positions per pass of the decode 
 constexpr int kDecMaxSplits = kDecPass;     // the split factors reuse its score buffer
 constexpr int kDecMinChunk = 16;
 
-// Positions per split for a token of `len` positions over `nsplit` launched splits: the length
-// over the splits, rounded up to whole kDecMinChunk (a block's round of score rows).
-__device__ __forceinline__ int64_t dec_chunk(int64_t len, int64_t nsplit) {
-  const int64_t c = (len + nsplit - 1) / nsplit;
-  return (c + kDecMinChunk - 1) / kDecMinChunk * kDecMinChunk;
+// Positions per split: `len` positions over `nsplit` splits, rounded up to whole tiles of `tile`.
+__host__ __device__ __forceinline__ int64_t split_tiles(int64_t len, int64_t nsplit, int64_t tile) {
+  return ((len + nsplit - 1) / nsplit + tile - 1) / tile * tile;
 }
+// Positions per split for a token of `len` positions over `nsplit` launched splits, in whole
+// kDecMinChunk (a block's round of score rows).
+__device__ __forceinline__ int64_t dec_chunk(int64_t len, int64_t nsplit) { return split_tiles(len, nsplit, kDecMinChunk); }
 // The many-token attention's positions per split (kernels_mla.cu, kernels_mla_many.cu): `chunk` for
 // every token, or where chunk < 0 (a step that may be recorded: no host lengths) the token's own
 // length over the nsplit splits in whole tiles of -chunk rows, so a short sequence keeps every split.
 __device__ __forceinline__ int64_t many_chunk(int64_t chunk, int64_t len, int64_t nsplit) {
-  if (chunk > 0) return chunk;
-  const int64_t c = (len + nsplit - 1) / nsplit;
-  return (c - chunk - 1) / -chunk * -chunk;
+  return chunk > 0 ? chunk : split_tiles(len, nsplit, -chunk);
 }
 // The splits that hold positions of a token of `len` positions, `chunk` (dec_chunk) per split.
 __device__ __forceinline__ int dec_splits(int64_t len, int64_t chunk) { return int((len + chunk - 1) / chunk); }
