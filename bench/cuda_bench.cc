@@ -260,6 +260,11 @@ int main(int argc, char** argv) {
         o.tune.graph_max = 16;
         vars.push_back({"graphs-16", o, true, false});
       }
+      if (asked("moe-persist-0")) {  // FP8 GEMM mode's swapped MoE stages on tc_gemm's form, not the persistent kernel
+        CudaOptions o = base;
+        o.tune.moe_persist = false;
+        vars.push_back({"moe-persist-0", o, true, true});
+      }
       if (asked("gate-route")) {  // one token routed by the gate kernel's last block, not the experts'
         CudaOptions o = base;
         o.tune.route_in_experts = false;

@@ -43,6 +43,7 @@ size_t align256(size_t n);
 // experts), built on first use.
 struct MoeTable {
   cuda::DevExpert* dev = nullptr;  // [E + S]
+  void* tmaps = nullptr;           // e4m3 experts: their TMA tensor maps (cuda::moe_f8_tmaps), or null
   int S = 0;                  // shared-expert slices
   int64_t rows13 = 0;         // largest w1.rows
   int64_t rows2 = 0;          // w2.rows (dim)
@@ -230,6 +231,7 @@ class CudaBackend final : public Backend {
   cuda::Launch L_;
   cublasHandle_t cublas_ = nullptr;
   bool wgmma_ = false;  // the pipelined kernel's wgmma form may run (an sm_90 device)
+  bool tmaps_warned_ = false;  // the warning that the FP8 experts lack tensor maps was printed
   bool ue8m0_ = false;  // the model's activation scales are powers of two (scale_fmt "ue8m0": act_quant)
   std::vector<void*> owned_;
   Buf scratch_[kNumSlots];

@@ -170,7 +170,7 @@ CudaBackend::~CudaBackend() {
   for (auto& s : scratch_)
     if (s.p) cudaFree(s.p);
   for (void* p : owned_) cudaFree(p);
-  for (auto& [k, t] : moe_) cudaFree(t.dev);
+  for (auto& [k, t] : moe_) cudaFree(t.dev), cudaFree(t.tmaps);
   if (step_dev_) cudaFree(step_dev_);
   if (cublas_) cublasDestroy(cublas_);
   for (auto& m : marks_) cudaEventDestroy(m.second);
@@ -288,13 +288,21 @@ ModelWeights CudaBackend::random_weights(const ModelArgs& a, uint64_t seed, cons
   std::vector<WeightSpec> specs = weight_manifest(a, &w);
   w.vocab0 = shard_vocab0(a, shard);
   const bool fp8 = a.dtype == "fp8";
-  uint64_t k = 0;
+  // One allocation in manifest order, as prepare_weights places a checkpoint: each expert's w3
+  // then lies after its w1 in one block (the FP8 experts' tensor maps, moe_f8_tmaps, need that).
+  struct Fill {
+    TensorView* t;
+    float amp;
+    bool constant;
+    size_t at;
+  };
+  std::vector<Fill> fills;
+  size_t total = 0;
   auto make = [&](TensorView& t, DType dt, std::vector<int64_t> shape, float amp, bool constant) {
     t.dtype = dt;
     t.shape = std::move(shape);
-    void* p = device_bytes(size_t(t.numel()) * dtype_size(dt));
-    cuda::fill_random(L_, p, wtype_of(dt), t.numel(), amp, seed * 1000003ull + ++k, constant);
-    t.data = p;
+    fills.push_back({&t, amp, constant, total});
+    total += align256(size_t(t.numel()) * dtype_size(dt));
   };
   for (const WeightSpec& s : specs) {
     if (s.kind == WeightKind::kBias) continue;  // optional; the random shapes route without it
@@ -316,6 +324,13 @@ ModelWeights CudaBackend::random_weights(const ModelArgs& a, uint64_t seed, cons
     } else {  // gate
       make(*s.tensor, DType::BF16, shape, std::sqrt(3.f / float(shape[1])), false);
     }
+  }
+  char* base = static_cast<char*>(device_bytes(total));
+  uint64_t k = 0;
+  for (const Fill& f : fills) {
+    f.t->data = base + f.at;
+    cuda::fill_random(L_, base + f.at, wtype_of(f.t->dtype), f.t->numel(), f.amp, seed * 1000003ull + ++k,
+                      f.constant);
   }
   sync();
   return w;

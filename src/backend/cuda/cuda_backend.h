@@ -38,6 +38,7 @@ struct CudaOptions {
     int moe_tiles_fp8gemm = 6;  // ... at most this many in FP8 GEMM mode, whose grouped GEMM reads e4m3 tiles unwidened
     int tc_swap = 1;       // MoE prefill stages with weight rows as the wgmma's M: 0 never, 1 for e4m3 weights and in
                            // fast mode, 2 always
+    bool moe_persist = true;  // FP8 GEMM mode's swapped MoE stages on the persistent kernel (off: tc_gemm's form, its twin)
     bool wgmma = true;     // the pipelined kernel's sm_90a wgmma form (off: mma.sync, as on other GPUs)
     bool route_in_experts = true;  // one token: its expert GEMVs' blocks route it (off: the gate kernel does)
   } tune;

@@ -3,6 +3,8 @@
 // few tokens, the grouped tensor-core GEMM of many), and the weighted combine — at the end of
 // the op, or in the next node (a deferred combine: kCombineAddRmsNorm and its pair form).
 #include <algorithm>
+#include <cstdio>
+#include <string>
 
 #include "backend/cuda/backend_impl.h"
 #include "core/error.h"
@@ -93,18 +95,33 @@ void CudaBackend::moe_op(const ModelArgs& a, const MoEWeights& w, const float* x
   if (tc) {
     // FP8 GEMM mode: x quantised for stage 0, whose SwiGLU output (float32) is quantised for stage 1.
     const bool f8 = fp8_moe(T, n, D);
-    cuda::TcJob j0 = f8 ? quant_input(x, n, D) : xs.a_hi ? xs : split_input(x, n, D, fast_at(n));
+    // (FP8 GEMM mode with swapped operands: the persistent kernel, tc_gemm's form its twin; its
+    // tokens quantised in pair order, so that TMA loads them)
+    const bool persist = f8 && swap && opt_.tune.moe_persist && T.tmaps;
+    auto quant_pairs = [&] {
+      cuda::TcJob q;
+      uint8_t* y8 = static_cast<uint8_t*>(scratch(kQ, size_t(P * D)));
+      float* ys = f32(kQs, size_t(P * D / 128));
+      cuda::act_quant_rows(L_, x, s.perm, P, D, ue8m0_, y8, ys);
+      q.a_hi = y8, q.lda = D, q.a_s = ys, q.ldas = D / 128, q.M = P;
+      return q;
+    };
+    cuda::TcJob j0 = persist ? quant_pairs() : f8 ? quant_input(x, n, D) : xs.a_hi ? xs : split_input(x, n, D, fast_at(n));
     if (fast_at(n)) j0.a_lo = nullptr;
     set_form(j0, T.k64, T.wtype);  // tile rows as the schedule's (by the weight type)
     if (swap) j0.tm = 128, j0.swap = true;  // (moe_swap: the wgmma form)
-    j0.grouped = true, j0.experts = T.dev, j0.a_idx = s.perm;
+    j0.grouped = true, j0.experts = T.dev, j0.a_idx = persist ? nullptr : s.perm, j0.tmaps = T.tmaps;
     j0.cnt = s.cnt, j0.off = s.off, j0.tile_e = s.tile_e, j0.tile_m0 = s.tile_m0, j0.n_tiles = s.n_tiles;
     cuda::TcJob j1 = j0;
     j0.stage = 0, j0.swiglu = true, j0.o_f32 = f8;
     j0.o_hi = scratch(kHi2, size_t(P * T.rows13) * (f8 ? 4 : 2));
     j0.o_lo = fast_at(n) || f8 ? nullptr : scratch(kLo2, size_t(P * T.rows13) * 2);
     j0.ldo = T.rows13;
-    cuda::tc_gemm(L_, j0, s.max_tiles(), T.rows13);
+    auto gemm = [&](const cuda::TcJob& j, int64_t rows) {
+      if (persist) cuda::moe_f8_gemm(L_, j, s.max_tiles(), rows);
+      else cuda::tc_gemm(L_, j, s.max_tiles(), rows);
+    };
+    gemm(j0, T.rows13);
     if (f8) {
       const cuda::TcJob q = quant_input(static_cast<const float*>(j0.o_hi), P, T.rows13, /*second=*/true);
       j1.a_hi = q.a_hi, j1.a_s = q.a_s, j1.ldas = q.ldas;
@@ -113,7 +130,7 @@ void CudaBackend::moe_op(const ModelArgs& a, const MoEWeights& w, const float* x
     }
     j1.stage = 1, j1.a_idx = nullptr, j1.lda = T.rows13;
     j1.c = o, j1.ldc = D;
-    cuda::tc_gemm(L_, j1, s.max_tiles(), T.rows2);
+    gemm(j1, T.rows2);
   } else if (gemvs) {
     // GEMVs: on tensor cores where they take the experts (tcv_moe), else the FMA kernels.
     float* h = f32(kMoeH, size_t(P * T.rows13));
@@ -244,6 +261,14 @@ const MoeTable& CudaBackend::moe_table(const ModelArgs& a, const MoEWeights& w) 
     e.vec2 = cuda::vec_ok(e.w2);
     T.rows13 = std::max(T.rows13, e.w1.rows);
     T.rows2 = std::max(T.rows2, e.w2.rows);
+  }
+  if (T.wtype == cuda::kFP8 && wgmma_) {
+    std::string why;
+    T.tmaps = cuda::moe_f8_tmaps(v.data(), int(v.size()), &why);
+    if (!T.tmaps && opt_.fp8_gemm && !tmaps_warned_) {
+      std::fprintf(stderr, "dsv3: warning: the FP8 experts run on the slower GEMM form: %s\n", why.c_str());
+      tmaps_warned_ = true;
+    }
   }
   CK(cudaMalloc(&T.dev, v.size() * sizeof(cuda::DevExpert)));
   CK(cudaMemcpy(T.dev, v.data(), v.size() * sizeof(cuda::DevExpert), cudaMemcpyHostToDevice));

@@ -7,6 +7,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <string>
 
 #ifdef __CUDACC__
 #define DSV3_HD __host__ __device__
@@ -100,6 +101,9 @@ void sample_rows(const Launch& L, const float* x, int64_t rows, int64_t cols, in
 // kernel.py's act_quant(x, 128, scale_fmt) on x [rows, cols] (cols % 128 == 0): y e4m3 bytes
 // [rows, cols], s [rows, cols / 128]; bit-identical to the reference (tests: golden kernels).
 void act_quant(const Launch& L, const float* x, int64_t rows, int64_t cols, bool ue8m0, uint8_t* y, float* s);
+// The same with output row r taken from row idx[r] of x (the MoE's tokens gathered into pair order).
+void act_quant_rows(const Launch& L, const float* x, const int32_t* idx, int64_t rows, int64_t cols, bool ue8m0,
+                    uint8_t* y, float* s);
 // Fills n elements of type t with reproducible pseudo-random values uniform in [-a, a]
 // (FP8: the e4m3 byte of such a value); kF32 with `a` exactly when const_value.
 void fill_random(const Launch& L, void* p, int32_t t, int64_t n, float a, uint64_t seed, bool const_value);
@@ -241,12 +245,21 @@ struct TcJob {
   bool fp8 = false;       // e4m3 weights with 128x128 block scales (tc_ok_fp8; wgmma form, no in-flight group)
   bool swap = false;      // grouped stages, wgmma form, tm 128: weight rows as the MMA's M, the tile's tokens
                           // as its N (rounded up to 32), so a partly filled tile costs only its tokens
+  const void* tmaps = nullptr;  // grouped, moe_f8_gemm: the experts' tensor maps (moe_f8_tmaps)
 };
 // Output tiles of a plain job (occupancy: split-K pays below ~2 tiles per SM).
 int64_t tc_out_tiles(int64_t M, int64_t N, bool swiglu, int tm);
 // grid_m: M tiles (tc_tiles(M, tm)) or, grouped, the schedule's max_tiles(); max_n: largest weight rows.
 void tc_gemm(const Launch& L, const TcJob& j, int64_t grid_m, int64_t max_n, int batch = 1);
 int64_t tc_tiles(int64_t M, int tm);
+// FP8 GEMM mode's grouped MoE stages with swapped operands (a_s, swap, tm 128; SwiGLU output in
+// float32) on the persistent warp-specialized kernel (kernels_moe_f8.cu); tc_gemm's swapped e4m3
+// form is its twin. grid_m and max_n as tc_gemm's.
+void moe_f8_gemm(const Launch& L, const TcJob& j, int64_t grid_m, int64_t max_n);
+// The TMA tensor maps moe_f8_gemm reads the experts' e4m3 weights through: w1, w3, w2 of each of
+// the n experts (w1 | w3 interleaved every 8 rows in one 128-row box, 128-byte swizzle), in device
+// memory (cudaFree it); null where the driver or a weight does not allow them, *why then says which.
+void* moe_f8_tmaps(const DevExpert* experts, int n, std::string* why);
 // max_n of a pair job (w_pair): the first weight's rows rounded up to whole tiles, then the second's.
 int64_t tc_pair_rows(const TcJob& j);
 // hi = bf16(x), lo = bf16(x - hi) (lo may be null) for `rows` rows of `cols` floats `ldx` apart,

@@ -208,14 +208,16 @@ void add(const Launch& L, float* y, const float* x, int64_t n) {
 namespace {
 // One warp per 128 values: s = max(amax, 1e-4) * (1/448) (ue8m0: 2^ceil(log2 s)), y = e4m3(x / s)
 // rounded to nearest even, saturated — kernel.py's act_quant, operation for operation.
+// idx (may be null): output row r quantises row idx[r] of x (cpr 128-column blocks per row).
 __global__ void act_quant_kernel(const float* __restrict__ x, int64_t blocks, bool ue8m0, uint8_t* __restrict__ y,
-                                 float* __restrict__ s) {
+                                 float* __restrict__ s, const int32_t* __restrict__ idx, int64_t cpr) {
   pdl_wait();
   pdl_trigger();
   const int64_t b = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) >> 5;
   const int lane = threadIdx.x & 31;
   if (b >= blocks) return;  // the whole warp
-  const float4 v = reinterpret_cast<const float4*>(x + b * 128)[lane];
+  const int64_t src = idx ? int64_t(idx[b / cpr]) * cpr + b % cpr : b;
+  const float4 v = reinterpret_cast<const float4*>(x + src * 128)[lane];
   float amax = fmaxf(fmaxf(fabsf(v.x), fabsf(v.y)), fmaxf(fabsf(v.z), fabsf(v.w)));
   amax = fmaxf(warp_max(amax), 1e-4f);
   float sc = __fmul_rn(amax, 1.f / 448.f);
@@ -229,7 +231,15 @@ __global__ void act_quant_kernel(const float* __restrict__ x, int64_t blocks, bo
 void act_quant(const Launch& L, const float* x, int64_t rows, int64_t cols, bool ue8m0, uint8_t* y, float* s) {
   DSV3_CHECK(cols % 128 == 0, "act_quant needs cols % 128 == 0, got ", cols);
   const int64_t blocks = rows * cols / 128;
-  launch(L, act_quant_kernel, dim3(unsigned((blocks + 7) / 8)), dim3(256), 0, x, blocks, ue8m0, y, s);
+  launch(L, act_quant_kernel, dim3(unsigned((blocks + 7) / 8)), dim3(256), 0, x, blocks, ue8m0, y, s,
+         static_cast<const int32_t*>(nullptr), cols / 128);
+}
+
+void act_quant_rows(const Launch& L, const float* x, const int32_t* idx, int64_t rows, int64_t cols, bool ue8m0,
+                    uint8_t* y, float* s) {
+  DSV3_CHECK(cols % 128 == 0, "act_quant_rows needs cols % 128 == 0, got ", cols);
+  const int64_t blocks = rows * cols / 128;
+  launch(L, act_quant_kernel, dim3(unsigned((blocks + 7) / 8)), dim3(256), 0, x, blocks, ue8m0, y, s, idx, cols / 128);
 }
 
 void fill_random(const Launch& L, void* p, int32_t t, int64_t n, float a, uint64_t seed, bool const_value) {
