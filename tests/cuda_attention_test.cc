@@ -283,7 +283,9 @@ TEST(CudaOps, ManyTokenAttentionMatchesFloat64) {
     for (int cache = 0; cache < 3; ++cache) {  // float32, bf16 on the twin, bf16 on tensor cores
       d.kv16 = cache > 0;
       const bool tc = cache == 2 && cuda::mla_many_tc_ok(d);
-      if (cache == 2 && shape != 1) EXPECT_TRUE(tc) << "shape " << shape << " is meant for the tensor-core kernel";
+      if (cache == 2 && shape != 1) {
+        EXPECT_TRUE(tc) << "shape " << shape << " is meant for the tensor-core kernel";
+      }
       const std::vector<float> want =
           d.kv16 ? absorbed_attention_f64(d, kvv, tp, qa, q, rounded_bf16(ckv), rounded_bf16(cpe))
                  : absorbed_attention_f64(d, kvv, tp, qa, q, ckv, cpe);
