@@ -1,6 +1,0 @@
-grep -i "slower GEMM form\|persistent fp8 moe" $O/tests.log | head -8 >> $O/runs.log
-tail -4 $O/tests.log >> $O/runs.log
-for c in 256 64 1; do run sv$c-fp8 35 $FF $S --dtype fp8 --concurrency $c --requests $c; done
-for c in 256 64 1; do run sv$c-bf16 35 env DSV3_CUDA_FAST=1 $S --dtype bf16 --concurrency $c --requests $c; done
-for pc in off on; do run prefix-$pc-fp8 40 $FF $S --dtype fp8 --concurrency 64 --requests 64 --shared-prefix 2000 --prefix-cache $pc; done
-run ab-moe 60 $FF $B/bench --dtypes fp8 --variants moe-persist-0,default --batches 64,256 --ctx 512 --steps 16
