@@ -442,6 +442,7 @@ TEST(ServingBench, ReportsEveryLevelWithExactOutputsAndThePrefixCache) {
   EXPECT_EQ(r["completed"].get<int>(), 6);
   EXPECT_FALSE(r["prefix_cache"].get<bool>());
   EXPECT_EQ(r["prefix_cache_hit_rate"].get<double>(), 0.0);
+  EXPECT_EQ(r["max_step_tokens"].get<int>(), 2048);  // the CPU backend's default step budget
   // The steps computed every prompt token (64 + 20, nothing cached) and every drawn token but the
   // last of each request (it is never fed back); their time lies within the run's.
   ASSERT_EQ(r["preemptions"].get<int>(), 0);

@@ -162,7 +162,7 @@ int run_serving_bench(const Args& args) {
   base.rate = args.get_float("request-rate", INFINITY);
   base.seed = uint64_t(args.get_int("seed", 1));
   const long shared = args.get_int("shared-prefix", 0);
-  const int step_tokens = parse_max_step_tokens(args);
+  const int step_tokens = parse_max_step_tokens(args, backend);
   if (base.input_len < 1 || base.output_len < 1) fail("--input-len and --output-len must be >= 1");
   if (!(base.rate > 0)) fail("--request-rate must be > 0 requests per second (default: all at once)");
   if (shared < 0) fail("--shared-prefix must be >= 0 tokens, got ", shared);
@@ -202,7 +202,7 @@ int run_serving_bench(const Args& args) {
       run_level(*model, w, prefix, sched);
     }
     json rep = run_level(*model, l, prefix, sched);
-    rep["model"] = what, rep["backend"] = backend;
+    rep["model"] = what, rep["backend"] = backend, rep["max_step_tokens"] = step_tokens;
     if (c == 1 && l.output_len > 1) {  // the same request as generate runs it, on the same model
       const double g = generate_tpot_ms(*model, l, prefix, sched), t = rep["tpot"]["mean_ms"].get<double>();
       rep["generate_tpot_ms"] = g;

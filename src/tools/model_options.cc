@@ -37,8 +37,9 @@ std::string default_backend() {
   return std::find(names.begin(), names.end(), "cpu") != names.end() ? "cpu" : "ref";
 }
 
-int parse_max_step_tokens(const Args& args) {
-  const long n = args.get_int("max-step-tokens", SchedulerOptions().max_step_tokens);
+int parse_max_step_tokens(const Args& args, const std::string& backend) {
+  const long dflt = backend == "cuda" ? 8192 : SchedulerOptions().max_step_tokens;
+  const long n = args.get_int("max-step-tokens", dflt);
   if (n < 1 || n > 65536) fail("--max-step-tokens must be in [1, 65536], got ", n);
   return int(n);
 }

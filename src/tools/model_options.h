@@ -15,8 +15,10 @@ AttnImpl parse_attn(const std::string& s);
 // --weight-memory auto|map|copy (default auto; backend/backend.h WeightMemory).
 WeightMemory parse_weight_memory(const Args& args);
 std::string default_backend();  // "cpu" when this build has it, else "ref"
-// --max-step-tokens N: the scheduler's token budget per step (default SchedulerOptions'), in [1, 65536].
-int parse_max_step_tokens(const Args& args);
+// --max-step-tokens N: the scheduler's token budget per step, in [1, 65536]. Its default depends on
+// the backend the model runs on: 8192 for "cuda" (fewer, larger prefill chunks; SGLang's default
+// chunk on cards of 35-160 GB), else SchedulerOptions' 2048.
+int parse_max_step_tokens(const Args& args, const std::string& backend);
 
 struct LoadedModel {
   std::unique_ptr<Model> model;

@@ -111,7 +111,8 @@ void print_serving_report(const json& r) {
     const double t = r["step_time_s"], td = r["decode_step_time_s"];
     auto per = [&](double s, int64_t k) { return k > 0 ? num(1e3 * s / double(k), 2) : std::string("-"); };
     row("Model steps:", std::to_string(n) + " in " + num(t, 2) + " s, " + num(n > 0 ? double(tok) / double(n) : 0, 1) +
-                            " tokens each on average");
+                            " tokens each on average" +
+                            (r.contains("max_step_tokens") ? " (at most " + r["max_step_tokens"].dump() + ")" : ""));
     row("  decode-only steps:", std::to_string(d) + " in " + num(td, 2) + " s (" + per(td, d) + " ms each)");
     row("  steps with prompt tokens:", std::to_string(n - d) + " in " + num(t - td, 2) + " s (" + per(t - td, n - d) +
                                            " ms each)");
