@@ -99,6 +99,8 @@ TEST(GenerateCommand, RefusesBadInput) {
   EXPECT_NE(run(longp + "\n", "").find("does not fit the context"), std::string::npos);
   EXPECT_NE(run("1 2\n", "--temperature -1").find("temperature"), std::string::npos);
   EXPECT_NE(run("1 2\n", "--max-seqs 0").find("--max-seqs must be in [1, 4096], got 0"), std::string::npos);
+  EXPECT_NE(run("1 2\n", "--max-step-tokens 0").find("--max-step-tokens must be in [1, 65536], got 0"),
+            std::string::npos);
 }
 
 // Many prompts, a few in flight at a time (the rest queued in the scheduler): every prompt gets
@@ -123,6 +125,8 @@ TEST(GenerateCommand, ManyPromptsAFewAtATimeGiveTheirAloneCompletions) {
   };
   const auto all = completions(ids, "--max-seqs 5");
   ASSERT_EQ(all.size(), 40u);
+  // Steps of at most 3 tokens: the prompts go in chunks beside the decodes, the completions stay.
+  EXPECT_EQ(completions(ids, "--max-seqs 5 --max-step-tokens 3"), all);
   std::ifstream in(ids);
   std::string line;
   for (int i = 0; std::getline(in, line); ++i) {

@@ -60,7 +60,8 @@ std::vector<std::string> read_text_lines(const std::string& path) {
 int run_generate(int argc, char** argv) {
   Args args(argc, argv,
             with_model_options(with_sampling_options(
-                {"input-file", "input-ids", "prompt", "max-new-tokens", "system", "tokenizer", "max-seqs"})),
+                {"input-file", "input-ids", "prompt", "max-new-tokens", "system", "tokenizer", "max-seqs",
+                 "max-step-tokens"})),
             {"raw", "json", "ignore-eos"});
   if (follow_leader(args)) return 0;  // (under mpirun, ranks but 0)
   int sources = args.has("input-file") + args.has("input-ids") + args.has("prompt");
@@ -102,6 +103,7 @@ int run_generate(int argc, char** argv) {
   const long max_seqs = args.get_int("max-seqs", 8);
   if (max_new < 0) fail("--max-new-tokens must be >= 0, got ", max_new);
   if (max_seqs < 1 || max_seqs > 4096) fail("--max-seqs must be in [1, 4096], got ", max_seqs);
+  const int step_tokens = parse_max_step_tokens(args, args.get("backend", default_backend()));
 
   size_t longest = 0;
   for (auto& p : prompts) longest = std::max(longest, p.size());
@@ -111,8 +113,8 @@ int run_generate(int argc, char** argv) {
   if (eos < 0) eos = model.args().eos_token_id;
   if (args.has("ignore-eos")) eos = -1;  // as the reference's eos_id=-1: always max_new_tokens
   // Every prompt at once through the scheduler: at most --max-seqs in flight, the rest queued;
-  // shared prompt prefixes (a system prompt) computed once.
-  Generator gen(model, eos, 512);
+  // shared prompt prefixes (a system prompt) computed once; steps of at most --max-step-tokens.
+  Generator gen(model, eos, step_tokens);
   gen.set_max_seqs(int(max_seqs));
   gen.set_reuse_prefix(true);
   if (tok) gen.set_vocab_limit(tok->vocab_size());
@@ -155,8 +157,8 @@ int run_generate(int argc, char** argv) {
 DSV3_COMMAND(
     generate,
     "--model DIR (--prompt TEXT | --input-file F | --input-ids F) [--max-new-tokens N] " DSV3_SAMPLING_USAGE
-    " [--raw] [--json] [--ignore-eos] [--system TEXT] [--max-seqs N]: batch generation of any number of prompts, "
-    "at most N (8) at once",
+    " [--raw] [--json] [--ignore-eos] [--system TEXT] [--max-seqs N] [--max-step-tokens T]: batch generation of any "
+    "number of prompts, at most N (8) at once, steps of at most T tokens (8192 with --backend cuda, else 2048)",
     run_generate);
 
 }  // namespace dsv3
