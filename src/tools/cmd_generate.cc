@@ -103,7 +103,7 @@ int run_generate(int argc, char** argv) {
   const long max_seqs = args.get_int("max-seqs", 8);
   if (max_new < 0) fail("--max-new-tokens must be >= 0, got ", max_new);
   if (max_seqs < 1 || max_seqs > 4096) fail("--max-seqs must be in [1, 4096], got ", max_seqs);
-  const int step_tokens = parse_max_step_tokens(args, args.get("backend", default_backend()));
+  const int step_tokens = parse_max_step_tokens(args, chosen_backend(args));
 
   size_t longest = 0;
   for (auto& p : prompts) longest = std::max(longest, p.size());

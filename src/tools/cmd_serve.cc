@@ -81,7 +81,7 @@ int run_serve(int argc, char** argv) {
   if (opt.max_seqs < 1 || opt.max_seqs > 4096) fail("--max-seqs must be in [1, 4096], got ", opt.max_seqs);
   opt.max_queue = int(args.get_int("max-queue", -1));
   if (opt.max_queue < -1 || opt.max_queue > 65536) fail("--max-queue must be in [0, 65536], got ", opt.max_queue);
-  const int step_tokens = parse_max_step_tokens(args, args.get("backend", default_backend()));
+  const int step_tokens = parse_max_step_tokens(args, chosen_backend(args));
   opt.drain_timeout_s = args.get_float("drain-timeout", 30);
   if (!(opt.drain_timeout_s >= 0)) fail("--drain-timeout must be >= 0 seconds");
   const std::string model_dir = args.require("model");

@@ -37,6 +37,10 @@ std::string default_backend() {
   return std::find(names.begin(), names.end(), "cpu") != names.end() ? "cpu" : "ref";
 }
 
+std::string chosen_backend(const Args& args, const std::string& dflt) {
+  return args.get("backend", dflt.empty() ? default_backend() : dflt);
+}
+
 int parse_max_step_tokens(const Args& args, const std::string& backend) {
   const long dflt = backend == "cuda" ? 8192 : SchedulerOptions().max_step_tokens;
   const long n = args.get_int("max-step-tokens", dflt);
@@ -53,7 +57,7 @@ LoadedModel load_model(const Args& args, int slots, int max_len, const std::stri
   // Under mpirun: every rank opens the checkpoint (its own file in the reference's layout for that
   // many ranks); a rank that cannot makes them all stop, each saying which rank failed.
   Comm& world = world_comm();
-  const std::string be = args.get("backend", backend.empty() ? default_backend() : backend);
+  const std::string be = chosen_backend(args, backend);
   std::unique_ptr<Checkpoint> ck;
   std::string err;
   try {

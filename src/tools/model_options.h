@@ -15,6 +15,9 @@ AttnImpl parse_attn(const std::string& s);
 // --weight-memory auto|map|copy (default auto; backend/backend.h WeightMemory).
 WeightMemory parse_weight_memory(const Args& args);
 std::string default_backend();  // "cpu" when this build has it, else "ref"
+// The backend a command's model runs on (load_model's): --backend, else `dflt` when given, else
+// default_backend().
+std::string chosen_backend(const Args& args, const std::string& dflt = "");
 // --max-step-tokens N: the scheduler's token budget per step, in [1, 65536]. Its default depends on
 // the backend the model runs on: 8192 for "cuda" (fewer, larger prefill chunks; SGLang's default
 // chunk on cards of 35-160 GB), else SchedulerOptions' 2048.
