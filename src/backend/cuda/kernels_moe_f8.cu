@@ -36,8 +36,25 @@ constexpr int kRows = 128, kToks = 128;               // weight rows and tokens 
 constexpr int kTileB = kRows * 128;                    // one operand tile: 128 rows of 128 e4m3 bytes
 constexpr int kStageB = 2 * kTileB + 1024;             // weights | tokens | token scales (padded to 1024)
 constexpr int kConsumers = 256, kProducers = 128, kThreads = kConsumers + kProducers;
+// Registers per thread: the launch allows 65536 / 384 (168); the producer warpgroup gives most of
+// its share to the consumers, whose 128-token tiles hold 64 accumulator and 64 partial-sum floats.
+constexpr int kProducerRegs = 40, kConsumerRegs = 232;
+static_assert(kProducers * kProducerRegs + kConsumers * kConsumerRegs <= 65536, "the register file");
 constexpr size_t kSmem = size_t(kStages) * kStageB + 2 * kStages * 8 + 1024;  // + the barriers, alignment
 
+// This warpgroup's registers per thread, lowered or raised (every thread of the warpgroup runs it).
+template <int N>
+__device__ __forceinline__ void set_max_regs_dec() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900 && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(N));
+#endif
+}
+template <int N>
+__device__ __forceinline__ void set_max_regs_inc() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900 && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(N));
+#endif
+}
 __device__ __forceinline__ void mbar_init(uint32_t bar, unsigned count) {
   asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
 }
@@ -286,8 +303,10 @@ __global__ void __launch_bounds__(kThreads, 1) moe_f8_kernel(TcJob j, const __gr
   pdl_trigger();
   const int64_t n_tiles = *j.n_tiles, total = n_tiles * n_units;
   if (threadIdx.x >= kConsumers) {
+    set_max_regs_dec<kProducerRegs>();
     produce(j, &tok, total, n_tiles, smem, full, empty);
   } else {
+    set_max_regs_inc<kConsumerRegs>();
     int it = 0;
     for (int64_t w = int64_t(blockIdx.x) / 2; w < total; w += int64_t(gridDim.x) / 2) {
       const Pair pr = pair_of(j, w, n_tiles);
