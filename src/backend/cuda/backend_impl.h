@@ -154,8 +154,9 @@ class CudaBackend final : public Backend {
   bool fp8_for(int64_t n, const DevLinear& w) const {
     return fp8_at(n) && w.t == cuda::kFP8 && w.cols % 128 == 0 && tc_for(n, w);
   }
-  // A job whose A operand is act_quant(x [n, cols]) (slot: kQ, or kQ2 for a second stage's input).
-  cuda::TcJob quant_input(const float* x, int64_t n, int64_t cols, bool second = false);
+  // A job whose A operand is act_quant(x [n, cols]) (slot: kQ, or kQ2 for a second stage's input);
+  // with rows, output row r quantises row rows[r] of x (act_quant_rows).
+  cuda::TcJob quant_input(const float* x, int64_t n, int64_t cols, bool second = false, const int32_t* rows = nullptr);
 
   // ---- MoE (cuda_moe.cc)
   // The MoE of x [n, dim] into y: gate, router, experts, then the combine unless `defer` (the

@@ -125,11 +125,11 @@ cuda::TcJob CudaBackend::split_input(const float* x, int64_t n, int64_t cols, bo
   return j;
 }
 
-cuda::TcJob CudaBackend::quant_input(const float* x, int64_t n, int64_t cols, bool second) {
+cuda::TcJob CudaBackend::quant_input(const float* x, int64_t n, int64_t cols, bool second, const int32_t* rows) {
   cuda::TcJob j;
   uint8_t* q = static_cast<uint8_t*>(scratch(second ? kQ2 : kQ, size_t(n * cols)));
   float* s = f32(second ? kQs2 : kQs, size_t(n * cols / 128));
-  cuda::act_quant(L_, x, n, cols, ue8m0_, q, s);
+  cuda::act_quant_rows(L_, x, rows, n, cols, ue8m0_, q, s);
   j.a_hi = q, j.lda = cols, j.a_s = s, j.ldas = cols / 128;
   return j;
 }

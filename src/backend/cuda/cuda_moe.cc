@@ -98,15 +98,11 @@ void CudaBackend::moe_op(const ModelArgs& a, const MoEWeights& w, const float* x
     // (FP8 GEMM mode with swapped operands: the persistent kernel, tc_gemm's form its twin; its
     // tokens quantised in pair order, so that TMA loads them)
     const bool persist = f8 && swap && opt_.tune.moe_persist && T.tmaps;
-    auto quant_pairs = [&] {
-      cuda::TcJob q;
-      uint8_t* y8 = static_cast<uint8_t*>(scratch(kQ, size_t(P * D)));
-      float* ys = f32(kQs, size_t(P * D / 128));
-      cuda::act_quant_rows(L_, x, s.perm, P, D, ue8m0_, y8, ys);
-      q.a_hi = y8, q.lda = D, q.a_s = ys, q.ldas = D / 128, q.M = P;
-      return q;
-    };
-    cuda::TcJob j0 = persist ? quant_pairs() : f8 ? quant_input(x, n, D) : xs.a_hi ? xs : split_input(x, n, D, fast_at(n));
+    cuda::TcJob j0 = persist ? quant_input(x, P, D, false, s.perm)
+                     : f8    ? quant_input(x, n, D)
+                     : xs.a_hi ? xs
+                               : split_input(x, n, D, fast_at(n));
+    if (persist) j0.M = P;
     if (fast_at(n)) j0.a_lo = nullptr;
     set_form(j0, T.k64, T.wtype);  // tile rows as the schedule's (by the weight type)
     if (swap) j0.tm = 128, j0.swap = true;  // (moe_swap: the wgmma form)

@@ -101,7 +101,8 @@ void sample_rows(const Launch& L, const float* x, int64_t rows, int64_t cols, in
 // kernel.py's act_quant(x, 128, scale_fmt) on x [rows, cols] (cols % 128 == 0): y e4m3 bytes
 // [rows, cols], s [rows, cols / 128]; bit-identical to the reference (tests: golden kernels).
 void act_quant(const Launch& L, const float* x, int64_t rows, int64_t cols, bool ue8m0, uint8_t* y, float* s);
-// The same with output row r taken from row idx[r] of x (the MoE's tokens gathered into pair order).
+// The same with output row r taken from row idx[r] of x (idx null: row r; the MoE's tokens gathered
+// into pair order).
 void act_quant_rows(const Launch& L, const float* x, const int32_t* idx, int64_t rows, int64_t cols, bool ue8m0,
                     uint8_t* y, float* s);
 // Fills n elements of type t with reproducible pseudo-random values uniform in [-a, a]
@@ -256,8 +257,8 @@ int64_t tc_tiles(int64_t M, int tm);
 // float32) on the persistent warp-specialized kernel (kernels_moe_f8.cu); tc_gemm's swapped e4m3
 // form is its twin. grid_m and max_n as tc_gemm's.
 void moe_f8_gemm(const Launch& L, const TcJob& j, int64_t grid_m, int64_t max_n);
-// The TMA tensor maps moe_f8_gemm reads the experts' e4m3 weights through: w1, w3, w2 of each of
-// the n experts (w1 | w3 interleaved every 8 rows in one 128-row box, 128-byte swizzle), in device
+// The TMA tensor maps moe_f8_gemm reads the experts' e4m3 weights through, two for each of the n
+// experts: w1 | w3 (interleaved every 8 rows in one 128-row box) and w2, 128-byte swizzle, in device
 // memory (cudaFree it); null where the driver or a weight does not allow them, *why then says which.
 void* moe_f8_tmaps(const DevExpert* experts, int n, std::string* why);
 // max_n of a pair job (w_pair): the first weight's rows rounded up to whole tiles, then the second's.

@@ -229,15 +229,12 @@ __global__ void act_quant_kernel(const float* __restrict__ x, int64_t blocks, bo
 }  // namespace
 
 void act_quant(const Launch& L, const float* x, int64_t rows, int64_t cols, bool ue8m0, uint8_t* y, float* s) {
-  DSV3_CHECK(cols % 128 == 0, "act_quant needs cols % 128 == 0, got ", cols);
-  const int64_t blocks = rows * cols / 128;
-  launch(L, act_quant_kernel, dim3(unsigned((blocks + 7) / 8)), dim3(256), 0, x, blocks, ue8m0, y, s,
-         static_cast<const int32_t*>(nullptr), cols / 128);
+  act_quant_rows(L, x, nullptr, rows, cols, ue8m0, y, s);
 }
 
 void act_quant_rows(const Launch& L, const float* x, const int32_t* idx, int64_t rows, int64_t cols, bool ue8m0,
                     uint8_t* y, float* s) {
-  DSV3_CHECK(cols % 128 == 0, "act_quant_rows needs cols % 128 == 0, got ", cols);
+  DSV3_CHECK(cols % 128 == 0, "act_quant needs cols % 128 == 0, got ", cols);
   const int64_t blocks = rows * cols / 128;
   launch(L, act_quant_kernel, dim3(unsigned((blocks + 7) / 8)), dim3(256), 0, x, blocks, ue8m0, y, s, idx, cols / 128);
 }

@@ -35,6 +35,7 @@ constexpr int kStages = 6;
 constexpr int kRows = 128, kToks = 128;               // weight rows and tokens per tile
 constexpr int kTileB = kRows * 128;                    // one operand tile: 128 rows of 128 e4m3 bytes
 constexpr int kStageB = 2 * kTileB + 1024;             // weights | tokens | token scales (padded to 1024)
+constexpr int kMapsPerExpert = 2;  // moe_f8_tmaps: w1 | w3, then w2
 constexpr int kConsumers = 256, kProducers = 128, kThreads = kConsumers + kProducers;
 // Registers per thread: the launch allows 65536 / 384 (168); the producer warpgroup gives most of
 // its share to the consumers, whose 128-token tiles hold 64 accumulator and 64 partial-sum floats.
@@ -179,7 +180,7 @@ __device__ void produce(const TcJob& j, const CUtensorMap* tok, int64_t total, i
     const Pair p = pair_of(j, w, n_tiles);
     if (!p.run) continue;
     const int NT = (p.Mv + 31) / 32 * 32;
-    const CUtensorMap* maps = static_cast<const CUtensorMap*>(j.tmaps) + 3 * p.e;
+    const CUtensorMap* maps = static_cast<const CUtensorMap*>(j.tmaps) + kMapsPerExpert * p.e;
     const int64_t row0 = p.arow0 + p.m0;  // the tile's first row of the pair-ordered tokens
     const float* sp = j.a_s + (row0 + min(pt, p.Mv - 1)) * j.ldas;
     const int nk = int(p.K / 128);
@@ -193,7 +194,7 @@ __device__ void produce(const TcJob& j, const CUtensorMap* tok, int64_t total, i
         const uint32_t bar = full + 8 * st;
         mbar_arrive_expect(bar, uint32_t(kTileB + NT * 128));
         if (j.swiglu) tma_load_4d(smem_addr(sw), maps, k, int(p.n0 / 8), bar);
-        else tma_load_2d(smem_addr(sw), maps + 2, k, int(p.n0), bar);
+        else tma_load_2d(smem_addr(sw), maps + 1, k, int(p.n0), bar);
         for (int b = int(rank); b < NT / 32; b += 2)
           tma_load_2d_mc(smem_addr(sx + b * 4096), tok, k, int(row0 + 32 * b), bar, uint16_t(3));
       }
@@ -352,7 +353,7 @@ void* moe_f8_tmaps(const DevExpert* experts, int n, std::string* why) {
   };
   const EncodeTiled encode = encode_tiled();
   if (!encode) return refuse("the driver has no cuTensorMapEncodeTiled");
-  std::vector<CUtensorMap> maps(size_t(n) * 3);
+  std::vector<CUtensorMap> maps(size_t(n) * kMapsPerExpert);
   std::memset(maps.data(), 0, maps.size() * sizeof(CUtensorMap));
   auto base = [](const DevLinear& W) {
     return const_cast<uint8_t*>(static_cast<const uint8_t*>(W.w)) + W.row0 * W.ld + W.col0;
@@ -374,10 +375,10 @@ void* moe_f8_tmaps(const DevExpert* experts, int n, std::string* why) {
     const cuuint32_t b13[4] = {128, 8, 2, 8};
     const cuuint64_t d2[2] = {cuuint64_t(w2.cols), cuuint64_t(w2.rows)}, s2[1] = {cuuint64_t(w2.ld)};
     const cuuint32_t b2[2] = {128, 128};
-    if (encode(&maps[size_t(e) * 3], CU_TENSOR_MAP_DATA_TYPE_UINT8, 4, base(w1), d13, s13, b13, step,
+    if (encode(&maps[size_t(e) * kMapsPerExpert], CU_TENSOR_MAP_DATA_TYPE_UINT8, 4, base(w1), d13, s13, b13, step,
                CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
                CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) != CUDA_SUCCESS ||
-        encode(&maps[size_t(e) * 3 + 2], CU_TENSOR_MAP_DATA_TYPE_UINT8, 2, base(w2), d2, s2, b2, step,
+        encode(&maps[size_t(e) * kMapsPerExpert + 1], CU_TENSOR_MAP_DATA_TYPE_UINT8, 2, base(w2), d2, s2, b2, step,
                CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
                CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) != CUDA_SUCCESS)
       return refuse("the driver refused an expert's tensor map");
