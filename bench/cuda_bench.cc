@@ -260,7 +260,7 @@ int main(int argc, char** argv) {
         o.tune.graph_max = 16;
         vars.push_back({"graphs-16", o, true, false});
       }
-      if (asked("moe-persist-0")) {  // FP8 GEMM mode's swapped MoE stages on tc_gemm's form, not the persistent kernel
+      if (asked("moe-persist-0")) {  // swapped MoE stages (FP8 GEMM mode, fast bf16) on tc_gemm's forms, not the persistent kernel
         CudaOptions o = base;
         o.tune.moe_persist = false;
         vars.push_back({"moe-persist-0", o, true, true});

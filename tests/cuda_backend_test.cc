@@ -580,53 +580,61 @@ TEST(CudaOps, Fp8GemmModeMatchesHostFp8Path) {
   }
 }
 
-// FP8 GEMM mode's persistent MoE kernel (kernels_moe_f8.cu) against its twin, tc_gemm's swapped
-// e4m3 form: the same MMAs, scales and float32 sums in the same order, so the layers agree to the
-// last bit (measured: 0). The golden shape (K of 2 and 1 blocks) at 2,000 tokens gives blocks
-// several (token tile, weight tile) pairs; the 16B shape's experts (K 2048 and 1408) run the ring
-// of stages many times over each pair, with a half-filled tile of a few tokens among full ones.
-TEST(CudaOps, PersistentFp8MoeMatchesTwin) {
+// The persistent MoE kernel (kernels_moe_persist.cu) against its twins, tc_gemm's swapped forms:
+// FP8 GEMM mode's e4m3 experts and fast mode's bf16 experts. The same MMAs, scales and float32 sums
+// in the same order, so the layers agree to the last bit (measured: 0). The golden shapes (K of 2
+// and 1 e4m3 blocks, 4 and 2 bf16 blocks) at 2,000 tokens give blocks several (token tile, weight
+// tile) pairs; the 16B shape's experts (K 2048 and 1408) run the ring of stages many times over
+// each pair, with a half-filled tile of a few tokens among full ones.
+TEST(CudaOps, PersistentMoeMatchesTwin) {
   REQUIRE_GPU();
-  CudaOptions o = opts(false, 0, true, 1);
-  o.fp8_gemm = true, o.tune.moe_tiles = 0;
-  auto run = [&](bool persist, const ModelArgs* shape, const std::vector<int64_t>& ns) {
-    CudaOptions oo = o;
-    oo.tune.moe_persist = persist;
-    auto cuda = make_cuda_backend(oo);
-    std::vector<std::vector<float>> out;
-    auto layer = [&](const ModelArgs& a, const MoEWeights& mw) {
-      for (int64_t n : ns) {
-        const std::vector<float> x = randn(size_t(n * a.dim), uint32_t(n + 5));
-        Dev xd(*cuda, x), yd(*cuda, size_t(n * a.dim));
-        cuda->reset_counters();
-        cuda->moe(a, mw, xd.p, n, yd.p);
-        out.push_back(yd.get());
+  for (const bool bf : {false, true}) {
+    CudaOptions o = opts(bf, 0, true, 1);
+    o.fp8_gemm = !bf, o.tune.moe_tiles = 0;
+    const char* dtype = bf ? "bf16" : "fp8";
+    int64_t ran = 0;  // stages the last run put on the persistent kernel
+    auto run = [&](bool persist, const ModelArgs* shape, const std::vector<int64_t>& ns) {
+      CudaOptions oo = o;
+      oo.tune.moe_persist = persist;
+      auto cuda = make_cuda_backend(oo);
+      std::vector<std::vector<float>> out;
+      auto layer = [&](const ModelArgs& a, const MoEWeights& mw) {
+        for (int64_t n : ns) {
+          const std::vector<float> x = randn(size_t(n * a.dim), uint32_t(n + 5));
+          Dev xd(*cuda, x), yd(*cuda, size_t(n * a.dim));
+          cuda->reset_counters();
+          cuda->moe(a, mw, xd.p, n, yd.p);
+          out.push_back(yd.get());
+        }
+        ran = cuda::persistent_moe_stages(*cuda);
+      };
+      if (shape) {
+        const ModelWeights w = cuda::random_weights(*cuda, *shape, 7);
+        layer(*shape, w.layers[1].moe_w);
+      } else {
+        TwoWeights W(bf ? "v2lite_bf16" : "v3_fp8", *cuda);
+        layer(W.a, W.dev.layers[1].moe_w);
       }
+      return out;
     };
-    if (shape) {
-      const ModelWeights w = cuda::random_weights(*cuda, *shape, 7);
-      layer(*shape, w.layers[1].moe_w);
-    } else {
-      TwoWeights W("v3_fp8", *cuda);
-      layer(W.a, W.dev.layers[1].moe_w);
-    }
-    return out;
-  };
-  ModelArgs wide = shape_args("16B", "fp8", 2);
-  wide.vocab_size = 512;
-  const std::vector<int64_t> golden_ns = {37, 300, 2000}, wide_ns = {3, 200, 517};
-  for (const ModelArgs* shape : {static_cast<const ModelArgs*>(nullptr), static_cast<const ModelArgs*>(&wide)}) {
-    const std::vector<int64_t>& ns = shape ? wide_ns : golden_ns;
-    testing::internal::CaptureStderr();
-    const auto got = run(true, shape, ns);
-    const std::string warned = testing::internal::GetCapturedStderr();
-    EXPECT_EQ(warned.find("slower GEMM form"), std::string::npos) << "the persistent kernel did not run: " << warned;
-    const auto want = run(false, shape, ns);
-    for (size_t i = 0; i < ns.size(); ++i) {
-      const double err = rel_l2(got[i].data(), want[i].data(), want[i].size());
-      std::printf("persistent fp8 moe %s n=%lld: rel %.3g against the twin\n", shape ? "16B" : "golden",
-                  (long long)ns[i], err);
-      EXPECT_LE(err, 1e-6) << (shape ? "16B" : "golden") << " n=" << ns[i];
+    ModelArgs wide = shape_args("16B", dtype, 2);
+    wide.vocab_size = 512;
+    const std::vector<int64_t> golden_ns = {37, 300, 2000}, wide_ns = {3, 200, 517};
+    for (const ModelArgs* shape : {static_cast<const ModelArgs*>(nullptr), static_cast<const ModelArgs*>(&wide)}) {
+      const std::vector<int64_t>& ns = shape ? wide_ns : golden_ns;
+      testing::internal::CaptureStderr();
+      const auto got = run(true, shape, ns);
+      const std::string warned = testing::internal::GetCapturedStderr();
+      EXPECT_EQ(warned.find("slower GEMM form"), std::string::npos) << "the persistent kernel did not run: " << warned;
+      // (every size ran both stages on it)
+      EXPECT_EQ(ran, int64_t(2 * ns.size())) << dtype << (shape ? " 16B" : " golden");
+      const auto want = run(false, shape, ns);
+      for (size_t i = 0; i < ns.size(); ++i) {
+        const double err = rel_l2(got[i].data(), want[i].data(), want[i].size());
+        std::printf("persistent %s moe %s n=%lld: rel %.3g against the twin\n", dtype, shape ? "16B" : "golden",
+                    (long long)ns[i], err);
+        EXPECT_LE(err, 1e-6) << dtype << " " << (shape ? "16B" : "golden") << " n=" << ns[i];
+      }
     }
   }
 }

@@ -43,7 +43,7 @@ size_t align256(size_t n);
 // experts), built on first use.
 struct MoeTable {
   cuda::DevExpert* dev = nullptr;  // [E + S]
-  void* tmaps = nullptr;           // e4m3 experts: their TMA tensor maps (cuda::moe_f8_tmaps), or null
+  void* tmaps = nullptr;           // e4m3 or bf16 experts: their TMA tensor maps (cuda::moe_persist_tmaps), or null
   int S = 0;                  // shared-expert slices
   int64_t rows13 = 0;         // largest w1.rows
   int64_t rows2 = 0;          // w2.rows (dim)
@@ -112,6 +112,7 @@ class CudaBackend final : public Backend {
     moe_op(a, w, x, n, y, nullptr, false);
   }
   void route(const ModelArgs& a, const float* logits, const float* bias, int64_t n, int32_t* idx, float* wts);
+  int64_t persist_stages() const { return persist_stages_; }
 
   // ---- attention (cuda_mla.cc)
   void mla(const MlaCall& c) override;
@@ -148,7 +149,7 @@ class CudaBackend final : public Backend {
   bool tc_takes(const DevLinear& w) const;
   bool fast_at(int64_t n) const { return opt_.fast && n >= opt_.tune.fast_min; }
   bool fp8_at(int64_t n) const { return opt_.fp8_gemm && wgmma_ && n >= opt_.tune.fast_min; }
-  cuda::TcJob split_input(const float* x, int64_t n, int64_t cols, bool fast);
+  cuda::TcJob split_input(const float* x, int64_t n, int64_t cols, bool fast, const int32_t* rows = nullptr);
   // FP8 GEMM mode (CudaOptions::fp8_gemm): n tokens of w on e4m3 activations — FP8 weights on the
   // pipelined kernel's wgmma form, K a multiple of 128, steps of fast_min tokens or more.
   bool fp8_for(int64_t n, const DevLinear& w) const {
@@ -232,7 +233,8 @@ class CudaBackend final : public Backend {
   cuda::Launch L_;
   cublasHandle_t cublas_ = nullptr;
   bool wgmma_ = false;  // the pipelined kernel's wgmma form may run (an sm_90 device)
-  bool tmaps_warned_ = false;  // the warning that the FP8 experts lack tensor maps was printed
+  bool tmaps_warned_ = false;  // the warning that the experts lack tensor maps was printed
+  int64_t persist_stages_ = 0;  // MoE stages run on the persistent kernel (persistent_moe_stages)
   bool ue8m0_ = false;  // the model's activation scales are powers of two (scale_fmt "ue8m0": act_quant)
   std::vector<void*> owned_;
   Buf scratch_[kNumSlots];

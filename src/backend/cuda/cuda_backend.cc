@@ -289,7 +289,7 @@ ModelWeights CudaBackend::random_weights(const ModelArgs& a, uint64_t seed, cons
   w.vocab0 = shard_vocab0(a, shard);
   const bool fp8 = a.dtype == "fp8";
   // One allocation in manifest order, as prepare_weights places a checkpoint: each expert's w3
-  // then lies after its w1 in one block (the FP8 experts' tensor maps, moe_f8_tmaps, need that).
+  // then lies after its w1 in one block (the FP8 experts' tensor maps, moe_persist_tmaps, need that).
   struct Fill {
     TensorView* t;
     float amp;
@@ -735,6 +735,8 @@ void route_for_test(Backend& b, const ModelArgs& a, const float* logits, const f
                     float* w) {
   as_cuda(b).route(a, logits, bias, n, idx, w);
 }
+
+int64_t persistent_moe_stages(Backend& b) { return as_cuda(b).persist_stages(); }
 
 void act_quant_for_test(Backend& b, const float* x, int64_t rows, int64_t cols, bool ue8m0, uint8_t* y, float* s) {
   as_cuda(b).act_quant(x, rows, cols, ue8m0, y, s);

@@ -38,7 +38,7 @@ struct CudaOptions {
     int moe_tiles_fp8gemm = 6;  // ... at most this many in FP8 GEMM mode, whose grouped GEMM reads e4m3 tiles unwidened
     int tc_swap = 1;       // MoE prefill stages with weight rows as the wgmma's M: 0 never, 1 for e4m3 weights and in
                            // fast mode, 2 always
-    bool moe_persist = true;  // FP8 GEMM mode's swapped MoE stages on the persistent kernel (off: tc_gemm's form, its twin)
+    bool moe_persist = true;  // swapped MoE stages (FP8 GEMM mode's, fast mode's bf16) on the persistent kernel (off: tc_gemm's form, its twin)
     bool wgmma = true;     // the pipelined kernel's sm_90a wgmma form (off: mma.sync, as on other GPUs)
     bool route_in_experts = true;  // one token: its expert GEMVs' blocks route it (off: the gate kernel does)
   } tune;
@@ -67,6 +67,9 @@ ModelWeights random_weights(Backend& cuda_backend, const ModelArgs& a, uint64_t 
 // [n, K] to the host, in the order of model/gate.cc's route_token. For tests.
 void route_for_test(Backend& cuda_backend, const ModelArgs& a, const float* logits, const float* bias, int64_t n,
                     int32_t* indices, float* weights);
+
+// MoE stages `cuda_backend` has run on the persistent kernel (moe_persist_gemm) so far. For tests.
+int64_t persistent_moe_stages(Backend& cuda_backend);
 
 // With CudaOptions::profile: milliseconds per step spent in each op / kernel group since the last
 // reset, one line each, largest first.

@@ -115,13 +115,14 @@ bool CudaBackend::tc_takes(const DevLinear& w) const {
   return cuda::tc_ok(w);
 }
 
-// A job whose A operand is x [n, cols] split into bf16 hi (+ lo unless fast) in kHi / kLo.
-cuda::TcJob CudaBackend::split_input(const float* x, int64_t n, int64_t cols, bool fast) {
+// A job whose A operand is x [n, cols] split into bf16 hi (+ lo unless fast) in kHi / kLo; with
+// rows, its row r is x's row rows[r] (MoE pairs in expert order).
+cuda::TcJob CudaBackend::split_input(const float* x, int64_t n, int64_t cols, bool fast, const int32_t* rows) {
   cuda::TcJob j;
   j.a_hi = scratch(kHi, size_t(n * cols) * 2);
   j.a_lo = fast ? nullptr : scratch(kLo, size_t(n * cols) * 2);
   j.lda = cols;
-  cuda::split_rows(L_, x, n, cols, cols, const_cast<void*>(j.a_hi), const_cast<void*>(j.a_lo));
+  cuda::split_rows(L_, x, n, cols, cols, const_cast<void*>(j.a_hi), const_cast<void*>(j.a_lo), rows);
   return j;
 }
 

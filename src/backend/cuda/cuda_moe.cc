@@ -95,13 +95,15 @@ void CudaBackend::moe_op(const ModelArgs& a, const MoEWeights& w, const float* x
   if (tc) {
     // FP8 GEMM mode: x quantised for stage 0, whose SwiGLU output (float32) is quantised for stage 1.
     const bool f8 = fp8_moe(T, n, D);
-    // (FP8 GEMM mode with swapped operands: the persistent kernel, tc_gemm's form its twin; its
-    // tokens quantised in pair order, so that TMA loads them)
-    const bool persist = f8 && swap && opt_.tune.moe_persist && T.tmaps;
-    cuda::TcJob j0 = persist ? quant_input(x, P, D, false, s.perm)
-                     : f8    ? quant_input(x, n, D)
-                     : xs.a_hi ? xs
-                               : split_input(x, n, D, fast_at(n));
+    // (Swapped operands in FP8 GEMM mode, or over bf16 experts in fast mode: the persistent kernel,
+    // tc_gemm's form its twin; its tokens quantised or split in pair order, so that TMA loads them)
+    const bool bf_fast = T.wtype == cuda::kBF16 && fast_at(n);
+    const bool persist = (f8 || bf_fast) && swap && opt_.tune.moe_persist && T.tmaps;
+    cuda::TcJob j0 = persist && f8 ? quant_input(x, P, D, false, s.perm)
+                     : persist     ? split_input(x, P, D, /*fast=*/true, s.perm)
+                     : f8          ? quant_input(x, n, D)
+                     : xs.a_hi     ? xs
+                                   : split_input(x, n, D, fast_at(n));
     if (persist) j0.M = P;
     if (fast_at(n)) j0.a_lo = nullptr;
     set_form(j0, T.k64, T.wtype);  // tile rows as the schedule's (by the weight type)
@@ -114,7 +116,7 @@ void CudaBackend::moe_op(const ModelArgs& a, const MoEWeights& w, const float* x
     j0.o_lo = fast_at(n) || f8 ? nullptr : scratch(kLo2, size_t(P * T.rows13) * 2);
     j0.ldo = T.rows13;
     auto gemm = [&](const cuda::TcJob& j, int64_t rows) {
-      if (persist) cuda::moe_f8_gemm(L_, j, s.max_tiles(), rows);
+      if (persist) cuda::moe_persist_gemm(L_, j, s.max_tiles(), rows), ++persist_stages_;
       else cuda::tc_gemm(L_, j, s.max_tiles(), rows);
     };
     gemm(j0, T.rows13);
@@ -258,11 +260,13 @@ const MoeTable& CudaBackend::moe_table(const ModelArgs& a, const MoEWeights& w) 
     T.rows13 = std::max(T.rows13, e.w1.rows);
     T.rows2 = std::max(T.rows2, e.w2.rows);
   }
-  if (T.wtype == cuda::kFP8 && wgmma_) {
+  const bool f8 = T.wtype == cuda::kFP8;
+  if ((f8 || T.wtype == cuda::kBF16) && wgmma_) {
     std::string why;
-    T.tmaps = cuda::moe_f8_tmaps(v.data(), int(v.size()), &why);
-    if (!T.tmaps && opt_.fp8_gemm && !tmaps_warned_) {
-      std::fprintf(stderr, "dsv3: warning: the FP8 experts run on the slower GEMM form: %s\n", why.c_str());
+    T.tmaps = cuda::moe_persist_tmaps(v.data(), int(v.size()), &why);
+    if (!T.tmaps && (f8 ? opt_.fp8_gemm : opt_.fast) && !tmaps_warned_) {
+      std::fprintf(stderr, "dsv3: warning: the %s experts run on the slower GEMM form: %s\n", f8 ? "FP8" : "bf16",
+                   why.c_str());
       tmaps_warned_ = true;
     }
   }

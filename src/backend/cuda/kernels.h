@@ -246,26 +246,29 @@ struct TcJob {
   bool fp8 = false;       // e4m3 weights with 128x128 block scales (tc_ok_fp8; wgmma form, no in-flight group)
   bool swap = false;      // grouped stages, wgmma form, tm 128: weight rows as the MMA's M, the tile's tokens
                           // as its N (rounded up to 32), so a partly filled tile costs only its tokens
-  const void* tmaps = nullptr;  // grouped, moe_f8_gemm: the experts' tensor maps (moe_f8_tmaps)
+  const void* tmaps = nullptr;  // grouped, moe_persist_gemm: the experts' tensor maps (moe_persist_tmaps)
 };
 // Output tiles of a plain job (occupancy: split-K pays below ~2 tiles per SM).
 int64_t tc_out_tiles(int64_t M, int64_t N, bool swiglu, int tm);
 // grid_m: M tiles (tc_tiles(M, tm)) or, grouped, the schedule's max_tiles(); max_n: largest weight rows.
 void tc_gemm(const Launch& L, const TcJob& j, int64_t grid_m, int64_t max_n, int batch = 1);
 int64_t tc_tiles(int64_t M, int tm);
-// FP8 GEMM mode's grouped MoE stages with swapped operands (a_s, swap, tm 128; SwiGLU output in
-// float32) on the persistent warp-specialized kernel (kernels_moe_f8.cu); tc_gemm's swapped e4m3
-// form is its twin. grid_m and max_n as tc_gemm's.
-void moe_f8_gemm(const Launch& L, const TcJob& j, int64_t grid_m, int64_t max_n);
-// The TMA tensor maps moe_f8_gemm reads the experts' e4m3 weights through, two for each of the n
-// experts: w1 | w3 (interleaved every 8 rows in one 128-row box) and w2, 128-byte swizzle, in device
-// memory (cudaFree it); null where the driver or a weight does not allow them, *why then says which.
-void* moe_f8_tmaps(const DevExpert* experts, int n, std::string* why);
+// Grouped MoE stages with swapped operands (swap, tm 128, tokens in pair order: M pair rows, no
+// a_idx) on the persistent warp-specialized kernel (kernels_moe_persist.cu): FP8 GEMM mode's (a_s,
+// e4m3 experts; SwiGLU output in float32) or fast mode's bf16 experts (bf16 tokens, no lo part;
+// SwiGLU output bf16). tc_gemm's swapped forms are its twins. grid_m and max_n as tc_gemm's.
+void moe_persist_gemm(const Launch& L, const TcJob& j, int64_t grid_m, int64_t max_n);
+// The TMA tensor maps moe_persist_gemm reads the experts' weights (all e4m3 or all bf16) through,
+// two for each of the n experts: w1 | w3 (interleaved every 8 rows in one 128-row box) and w2,
+// rows of 128 bytes, 128-byte swizzle, in device memory (cudaFree it); null where the driver or a
+// weight does not allow them, *why then says which.
+void* moe_persist_tmaps(const DevExpert* experts, int n, std::string* why);
 // max_n of a pair job (w_pair): the first weight's rows rounded up to whole tiles, then the second's.
 int64_t tc_pair_rows(const TcJob& j);
 // hi = bf16(x), lo = bf16(x - hi) (lo may be null) for `rows` rows of `cols` floats `ldx` apart,
-// written densely [rows, cols].
-void split_rows(const Launch& L, const float* x, int64_t rows, int64_t cols, int64_t ldx, void* hi, void* lo);
+// written densely [rows, cols]; with idx, row r of the output is x's row idx[r].
+void split_rows(const Launch& L, const float* x, int64_t rows, int64_t cols, int64_t ldx, void* hi, void* lo,
+                const int32_t* idx = nullptr);
 // Causal softmax of attention score rows: row r (< rows) belongs to token i0 + r / H, whose
 // position p gives its length p + 1; S[r, t] for t < len becomes the softmax, t in [len, Lk) 0.
 void causal_softmax_rows(const Launch& L, float* S, int64_t rows, int64_t ld, int64_t Lk, const DevPos* pos,

@@ -463,28 +463,32 @@ __global__ void splitk_sum_kernel(const float* __restrict__ ws, int splits, int6
   }
 }
 
-// hi = bf16(x), lo = bf16(x - hi) for rows of `cols` floats `ldx` apart, into [rows, cols].
-__global__ void split_rows_kernel(const float* __restrict__ x, int64_t rows, int64_t cols, int64_t ldx,
-                                  __nv_bfloat16* __restrict__ hi, __nv_bfloat16* __restrict__ lo) {
+// hi = bf16(x), lo = bf16(x - hi) for rows of `cols` floats `ldx` apart (row r: x's row idx[r]
+// where idx is given), into [rows, cols].
+__global__ void split_rows_kernel(const float* __restrict__ x, const int32_t* __restrict__ idx, int64_t rows,
+                                  int64_t cols, int64_t ldx, __nv_bfloat16* __restrict__ hi,
+                                  __nv_bfloat16* __restrict__ lo) {
   pdl_wait();
   pdl_trigger();
   const int64_t total = rows * cols;
   for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < total; i += int64_t(gridDim.x) * blockDim.x) {
-    const int64_t r = i / cols, c = i - r * cols;
-    split_bf16(x[r * ldx + c], hi, lo, i);
+    const int64_t r = i / cols, c = i - r * cols, xr = idx ? int64_t(idx[r]) : r;
+    split_bf16(x[xr * ldx + c], hi, lo, i);
   }
 }
 
 // The same split, 8 columns per thread: two float4 loads, one 16-byte store per part (cols and
 // ldx multiples of 8, every pointer 16-byte aligned: split_rows checks).
-__global__ void split_rows8_kernel(const float* __restrict__ x, int64_t rows, int64_t cols, int64_t ldx,
-                                   __nv_bfloat16* __restrict__ hi, __nv_bfloat16* __restrict__ lo) {
+__global__ void split_rows8_kernel(const float* __restrict__ x, const int32_t* __restrict__ idx, int64_t rows,
+                                   int64_t cols, int64_t ldx, __nv_bfloat16* __restrict__ hi,
+                                   __nv_bfloat16* __restrict__ lo) {
   pdl_wait();
   pdl_trigger();
   const int64_t cpr = cols / 8, total = rows * cpr;
   for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < total; i += int64_t(gridDim.x) * blockDim.x) {
     const int64_t r = i / cpr, c = (i - r * cpr) * 8;
-    const float4 a = *reinterpret_cast<const float4*>(x + r * ldx + c), b = *reinterpret_cast<const float4*>(x + r * ldx + c + 4);
+    const float* xr = x + (idx ? int64_t(idx[r]) : r) * ldx;
+    const float4 a = *reinterpret_cast<const float4*>(xr + c), b = *reinterpret_cast<const float4*>(xr + c + 4);
     const float v[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
     __align__(16) __nv_bfloat16 h[8], l[8];
 #pragma unroll
@@ -620,19 +624,20 @@ int64_t tc_tiles(int64_t M, int tm) { return (M + tm - 1) / tm; }
 
 int64_t tc_pair_rows(const TcJob& j) { return (j.w.rows + TN - 1) / TN * TN + j.w_pair.rows; }
 
-void split_rows(const Launch& L, const float* x, int64_t rows, int64_t cols, int64_t ldx, void* hi, void* lo) {
+void split_rows(const Launch& L, const float* x, int64_t rows, int64_t cols, int64_t ldx, void* hi, void* lo,
+                const int32_t* idx) {
   const bool v8 = cols % 8 == 0 && ldx % 4 == 0 &&
                   ((reinterpret_cast<uintptr_t>(x) | reinterpret_cast<uintptr_t>(hi) | reinterpret_cast<uintptr_t>(lo)) & 15) == 0;
   if (v8) {
     const int64_t total = rows * cols / 8;
     const unsigned blocks = unsigned(std::min<int64_t>((total + 255) / 256, 132 * 8));
-    launch(L, split_rows8_kernel, dim3(blocks), dim3(256), 0, x, rows, cols, ldx, static_cast<__nv_bfloat16*>(hi),
-           static_cast<__nv_bfloat16*>(lo));
+    launch(L, split_rows8_kernel, dim3(blocks), dim3(256), 0, x, idx, rows, cols, ldx,
+           static_cast<__nv_bfloat16*>(hi), static_cast<__nv_bfloat16*>(lo));
     return;
   }
   const int64_t total = rows * cols;
   const unsigned blocks = unsigned(std::min<int64_t>((total + 255) / 256, 132 * 16));
-  launch(L, split_rows_kernel, dim3(blocks), dim3(256), 0, x, rows, cols, ldx, static_cast<__nv_bfloat16*>(hi),
+  launch(L, split_rows_kernel, dim3(blocks), dim3(256), 0, x, idx, rows, cols, ldx, static_cast<__nv_bfloat16*>(hi),
          static_cast<__nv_bfloat16*>(lo));
 }
 

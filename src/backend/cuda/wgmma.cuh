@@ -1,5 +1,5 @@
 // sm_90a warpgroup MMA helpers shared by the pipelined GEMM (kernels_tc.cu) and the FP8 MoE
-// kernel (kernels_moe_f8.cu): shared-memory descriptors of 128-byte swizzled K-major tiles, the
+// kernel (kernels_moe_persist.cu): shared-memory descriptors of 128-byte swizzled K-major tiles, the
 // fences and group waits, and m64nNk16 (bf16) / m64nNk32 (e4m3) MMAs for N = 32, 64, 96, 128.
 // Without sm_90a features the bodies compile to nothing (callers check the device first).
 #pragma once

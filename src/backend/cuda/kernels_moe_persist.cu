@@ -1,21 +1,24 @@
-// The grouped MoE stages of FP8 GEMM mode (e4m3 experts, e4m3 activations with a scale per token
-// and 128-K block), weights as the wgmma's A and each tile's tokens its N: a persistent,
-// warp-specialized form of tc_gemm_kernel's swapped e4m3 form (kernels_tc.cu), which stays its twin.
+// The grouped MoE stages with swapped operands, weights as the wgmma's A and each tile's tokens its
+// N, on a persistent, warp-specialized kernel: FP8 GEMM mode's (e4m3 experts, e4m3 activations
+// with a scale per token and 128-K block) and fast mode's bf16 experts (bf16 activations, one
+// pass). tc_gemm_kernel's swapped forms (kernels_tc.cu) stay its twins.
 //
 // Clusters of two blocks, one cluster per two SMs, work through the launch's units in turn: a unit
 // is a token tile and two neighbouring weight tiles, one per block of the cluster (token tiles
 // fastest, so the clusters running at once share weight tiles and read them from memory once).
-// Each 128-K block of a unit goes through a ring of kStages shared-memory stages: the block's
+// Each K block of a unit (128 e4m3 or 64 bf16 values: rows of 128 bytes) goes through a ring of
+// kStages shared-memory stages: the block's
 // producer thread loads its own weight tile by TMA (one box: with SwiGLU a 4-D tensor map
 // interleaves w1 and w3 rows in groups of 8) and half the token tile's 32-row boxes, multicast to
 // both blocks of the cluster, so each token byte crosses from L2 once per two weight tiles; the
-// tokens come quantised in pair order (act_quant_rows), so TMA can load them. The producer warps
-// copy the tokens' scales with cp.async. A stage is full when this block's weights, both halves
+// tokens come in pair order (act_quant_rows, split_rows with rows), so TMA can load them. With e4m3
+// the producer warps copy the tokens' scales with cp.async. A stage is full when this block's weights, both halves
 // of the tokens and the scales have landed; it is empty when the consumers of both blocks are
 // done with it (the multicast writes into both). Warps 0-7 are two consumer warpgroups of 64 weight rows each: a
-// warpgroup issues its four m64nNk32 MMAs, adds the partial product into its float32 accumulator
-// times the weight block's and each token's scale, and marks the stage empty in both blocks. The
-// epilogue writes from registers (each thread holds the w1 and w3 rows of its outputs).
+// warpgroup issues its four MMAs (m64nNk32 e4m3 or m64nNk16 bf16); with e4m3 it adds the partial
+// product into its float32 accumulator times the weight block's and each token's scale, with bf16
+// the MMAs accumulate; then it marks the stage empty in both blocks. The epilogue writes from
+// registers (each thread holds the w1 and w3 rows of its outputs; bf16 SwiGLU outputs as bf16).
 // The products, the scale factors and the order of every float32 sum are the twin's.
 #include <cuda.h>
 
@@ -35,7 +38,7 @@ constexpr int kStages = 6;
 constexpr int kRows = 128, kToks = 128;               // weight rows and tokens per tile
 constexpr int kTileB = kRows * 128;                    // one operand tile: 128 rows of 128 e4m3 bytes
 constexpr int kStageB = 2 * kTileB + 1024;             // weights | tokens | token scales (padded to 1024)
-constexpr int kMapsPerExpert = 2;  // moe_f8_tmaps: w1 | w3, then w2
+constexpr int kMapsPerExpert = 2;  // moe_persist_tmaps: w1 | w3, then w2
 constexpr int kConsumers = 256, kProducers = 128, kThreads = kConsumers + kProducers;
 // Registers per thread: the launch allows 65536 / 384 (168); the producer warpgroup gives most of
 // its share to the consumers, whose 128-token tiles hold 64 accumulator and 64 partial-sum floats.
@@ -77,7 +80,7 @@ __device__ __forceinline__ void tma_load_2d(uint32_t dst, const void* map, int c
       : "memory");
 #endif
 }
-// The box at (c0, 0, 0, c3) of a 4-D tensor map (moe_f8_tmaps' w1 | w3 interleave).
+// The box at (c0, 0, 0, c3) of a 4-D tensor map (moe_persist_tmaps' w1 | w3 interleave).
 __device__ __forceinline__ void tma_load_4d(uint32_t dst, const void* map, int c0, int c3, uint32_t bar) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile(
@@ -171,8 +174,10 @@ __device__ __forceinline__ Pair pair_of(const TcJob& j, int64_t w, int64_t n_til
 // both blocks. Thread p copies token p's scale by cp.async, which arrives on the stage's barrier
 // when it lands (every producer thread arrives, with or without a copy). Before reusing a stage
 // the producers wait until the consumers of both blocks have emptied it.
+template <bool BF>
 __device__ void produce(const TcJob& j, const CUtensorMap* tok, int64_t total, int64_t n_tiles, uint8_t* smem,
                         uint32_t full, uint32_t empty) {
+  constexpr int KB = BF ? 64 : 128;  // K values per block
   const int pt = int(threadIdx.x) - kConsumers;
   const uint32_t rank = cluster_rank();
   int it = 0;
@@ -182,14 +187,14 @@ __device__ void produce(const TcJob& j, const CUtensorMap* tok, int64_t total, i
     const int NT = (p.Mv + 31) / 32 * 32;
     const CUtensorMap* maps = static_cast<const CUtensorMap*>(j.tmaps) + kMapsPerExpert * p.e;
     const int64_t row0 = p.arow0 + p.m0;  // the tile's first row of the pair-ordered tokens
-    const float* sp = j.a_s + (row0 + min(pt, p.Mv - 1)) * j.ldas;
-    const int nk = int(p.K / 128);
+    const float* sp = BF ? nullptr : j.a_s + (row0 + min(pt, p.Mv - 1)) * j.ldas;
+    const int nk = int(p.K / KB);
     for (int kt = 0; kt < nk; ++kt, ++it) {
       const int st = it % kStages;
       if (it >= kStages) mbar_wait(empty + 8 * st, unsigned((it / kStages - 1) & 1));
       uint8_t* sw = smem + st * kStageB;
       uint8_t* sx = sw + kTileB;
-      const int k = kt * 128;
+      const int k = kt * KB;
       if (pt == 0) {
         const uint32_t bar = full + 8 * st;
         mbar_arrive_expect(bar, uint32_t(kTileB + NT * 128));
@@ -198,8 +203,8 @@ __device__ void produce(const TcJob& j, const CUtensorMap* tok, int64_t total, i
         for (int b = int(rank); b < NT / 32; b += 2)
           tma_load_2d_mc(smem_addr(sx + b * 4096), tok, k, int(row0 + 32 * b), bar, uint16_t(3));
       }
-      if (pt < NT) cp_async4(smem_addr(sx + kTileB + 4 * pt), sp + kt, pt < p.Mv);
-      mbar_arrive_copies(full + 8 * st);
+      if (!BF && pt < NT) cp_async4(smem_addr(sx + kTileB + 4 * pt), sp + kt, pt < p.Mv);
+      mbar_arrive_copies(full + 8 * st);  // (bf16: no copies, it arrives at once)
     }
   }
   cp_async_wait<0>();
@@ -214,27 +219,29 @@ struct Work {
   int64_t n0, N, orow;  // first weight row (SwiGLU: output), the stage's rows, the tile's first output row
 };
 
+template <bool BF>
 __device__ __forceinline__ Work work_of(const TcJob& j, const Pair& p) {
   const DevLinear& Wb = j.swiglu ? p.W1 : p.W0;
   Work k;
   const int64_t n0 = min(p.n0, p.N - 1);  // (a weight tile past the rows reads the last block's scales)
-  k.sc0 = p.W0.s + ((p.W0.row0 + n0) >> 7) * p.W0.lds;
-  k.sc1 = Wb.s + ((Wb.row0 + n0) >> 7) * Wb.lds;  // (the same 128-row block: n0 % 64 == 0)
+  k.sc0 = BF ? nullptr : p.W0.s + ((p.W0.row0 + n0) >> 7) * p.W0.lds;
+  k.sc1 = BF ? nullptr : Wb.s + ((Wb.row0 + n0) >> 7) * Wb.lds;  // (the same 128-row block: n0 % 64 == 0)
   k.col0 = p.W0.col0;
-  k.nk = int(p.K / 128), k.Mv = p.Mv;
+  k.nk = int(p.K / (BF ? 64 : 128)), k.Mv = p.Mv;
   k.n0 = p.n0, k.N = p.N, k.orow = p.arow0 + p.m0;
   return k;
 }
 
-// A consumer warpgroup's share of one pair: weight rows 64 q .. 64 q + 63 against the NT token
-// columns, then the epilogue. it: the ring position of the pair's first K block (advanced).
+// A consumer warpgroup's K loop over one pair (weight rows 64 q .. 64 q + 63 against the NT token
+// columns) into d, e4m3: each 128-K block's four MMAs write the partial product dp, added into d
+// times the weight block's and each token's scale. it: the ring position of the pair's first K
+// block (advanced).
 template <int NT>
-__device__ void consume(const TcJob& j, const Work& p, int& it, uint8_t* smem, uint32_t full, uint32_t empty) {
+__device__ __forceinline__ void k_loop_e4m3(const TcJob& j, const Work& p, int& it, uint8_t* smem, uint32_t full,
+                                            uint32_t empty, float (&d)[NT / 2]) {
   constexpr int NA = NT / 2;
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, q = warp >> 2, g = lane >> 2, t = lane & 3;
-  float d[NA], dp[NA];
-#pragma unroll
-  for (int i = 0; i < NA; ++i) d[i] = 0.f;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, q = warp >> 2, t = lane & 3;
+  float dp[NA];
   const int64_t kb0 = p.col0 >> 7;
   float s0 = p.sc0[kb0], s1 = p.sc1[kb0];  // this K block's weight scales (the next ones load under its MMAs)
   for (int kt = 0; kt < p.nk; ++kt, ++it) {
@@ -261,17 +268,58 @@ __device__ void consume(const TcJob& j, const Work& p, int& it, uint8_t* smem, u
     if (lane == 0) mbar_arrive_in(empty + 8 * st, 0), mbar_arrive_in(empty + 8 * st, 1);
     s0 = nx0, s1 = nx1;
   }
+}
+
+// The same K loop over bf16 weights and tokens (64-K blocks): every block's four MMAs accumulate
+// into d, as the twin's do.
+template <int NT>
+__device__ __forceinline__ void k_loop_bf16(const Work& p, int& it, uint8_t* smem, uint32_t full, uint32_t empty,
+                                            float (&d)[NT / 2]) {
+  constexpr int NA = NT / 2;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, q = warp >> 2;
+  for (int kt = 0; kt < p.nk; ++kt, ++it) {
+    const int st = it % kStages;
+    mbar_wait(full + 8 * st, unsigned((it / kStages) & 1));
+    uint8_t* sw = smem + st * kStageB;
+    const uint64_t da = wg_desc(smem_addr(sw + kTileB)), db = wg_desc(smem_addr(sw + q * 64 * 128));
+#pragma unroll
+    for (int i = 0; i < NA; ++i) reg_fence(d[i]);
+    wg_fence();
+#pragma unroll
+    for (int kk = 0; kk < 4; ++kk) wgmma_64xN<NT>(d, db + 2 * kk, da + 2 * kk, true);
+    wg_commit_wait<0>();
+#pragma unroll
+    for (int i = 0; i < NA; ++i) reg_fence(d[i]);
+    __syncwarp();
+    if (lane == 0) mbar_arrive_in(empty + 8 * st, 0), mbar_arrive_in(empty + 8 * st, 1);
+  }
+}
+
+// A consumer warpgroup's share of one pair: the K loop, then the epilogue.
+template <int NT, bool BF>
+__device__ void consume(const TcJob& j, const Work& p, int& it, uint8_t* smem, uint32_t full, uint32_t empty) {
+  constexpr int NA = NT / 2;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, q = warp >> 2, g = lane >> 2, t = lane & 3;
+  float d[NA];
+#pragma unroll
+  for (int i = 0; i < NA; ++i) d[i] = 0.f;
+  if constexpr (BF) k_loop_bf16<NT>(p, it, smem, full, empty, d);
+  else k_loop_e4m3<NT>(j, p, it, smem, full, empty, d);
   const int r = q * 64 + (warp & 3) * 16 + g;  // tile row of accumulators i with !(i & 2)
-  if (j.swiglu) {  // output column n0 + (r / 16) * 8 + g: silu(w1 row) * (w3 row), float32
+  if (j.swiglu) {  // output column n0 + (r / 16) * 8 + g: silu(w1 row) * (w3 row), float32 (bf16: bf16)
     const int64_t o = p.n0 + (r >> 4) * 8 + g;
     if (o >= p.N) return;
     float* out = static_cast<float*>(j.o_hi) + p.orow * j.ldo + o;
+    __nv_bfloat16* out16 = static_cast<__nv_bfloat16*>(j.o_hi) + p.orow * j.ldo + o;
 #pragma unroll
     for (int jn = 0; jn < NA / 4; ++jn)
 #pragma unroll
       for (int c = 0; c < 2; ++c) {
         const int tok = jn * 8 + 2 * t + c;
-        if (tok < p.Mv) out[tok * j.ldo] = silu(d[4 * jn + c]) * d[4 * jn + 2 + c];
+        if (tok >= p.Mv) continue;
+        const float v = silu(d[4 * jn + c]) * d[4 * jn + 2 + c];
+        if constexpr (BF) out16[tok * j.ldo] = __float2bfloat16_rn(v);
+        else out[tok * j.ldo] = v;
       }
   } else {
     float* out = j.c + p.orow * j.ldc + j.col + p.n0 + r;
@@ -289,8 +337,9 @@ __device__ void consume(const TcJob& j, const Work& p, int& it, uint8_t* smem, u
   }
 }
 
-__global__ void __launch_bounds__(kThreads, 1) moe_f8_kernel(TcJob j, const __grid_constant__ CUtensorMap tok,
-                                                              int64_t n_units) {
+template <bool BF>
+__global__ void __launch_bounds__(kThreads, 1) moe_persist_kernel(TcJob j, const __grid_constant__ CUtensorMap tok,
+                                                                  int64_t n_units) {
   extern __shared__ __align__(128) unsigned char smem_raw[];
   uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
   const uint32_t full = smem_addr(smem + kStages * kStageB), empty = full + 8 * kStages;
@@ -305,19 +354,19 @@ __global__ void __launch_bounds__(kThreads, 1) moe_f8_kernel(TcJob j, const __gr
   const int64_t n_tiles = *j.n_tiles, total = n_tiles * n_units;
   if (threadIdx.x >= kConsumers) {
     set_max_regs_dec<kProducerRegs>();
-    produce(j, &tok, total, n_tiles, smem, full, empty);
+    produce<BF>(j, &tok, total, n_tiles, smem, full, empty);
   } else {
     set_max_regs_inc<kConsumerRegs>();
     int it = 0;
     for (int64_t w = int64_t(blockIdx.x) / 2; w < total; w += int64_t(gridDim.x) / 2) {
       const Pair pr = pair_of(j, w, n_tiles);
       if (!pr.run) continue;
-      const Work p = work_of(j, pr);
+      const Work p = work_of<BF>(j, pr);
       switch ((p.Mv + 31) / 32) {
-        case 1: consume<32>(j, p, it, smem, full, empty); break;
-        case 2: consume<64>(j, p, it, smem, full, empty); break;
-        case 3: consume<96>(j, p, it, smem, full, empty); break;
-        default: consume<128>(j, p, it, smem, full, empty); break;
+        case 1: consume<32, BF>(j, p, it, smem, full, empty); break;
+        case 2: consume<64, BF>(j, p, it, smem, full, empty); break;
+        case 3: consume<96, BF>(j, p, it, smem, full, empty); break;
+        default: consume<128, BF>(j, p, it, smem, full, empty); break;
       }
     }
   }
@@ -346,7 +395,7 @@ EncodeTiled encode_tiled() {  // the driver's cuTensorMapEncodeTiled, through th
 
 }  // namespace
 
-void* moe_f8_tmaps(const DevExpert* experts, int n, std::string* why) {
+void* moe_persist_tmaps(const DevExpert* experts, int n, std::string* why) {
   auto refuse = [&](const char* m) -> void* {
     *why = m;
     return nullptr;
@@ -355,14 +404,23 @@ void* moe_f8_tmaps(const DevExpert* experts, int n, std::string* why) {
   if (!encode) return refuse("the driver has no cuTensorMapEncodeTiled");
   std::vector<CUtensorMap> maps(size_t(n) * kMapsPerExpert);
   std::memset(maps.data(), 0, maps.size() * sizeof(CUtensorMap));
-  auto base = [](const DevLinear& W) {
-    return const_cast<uint8_t*>(static_cast<const uint8_t*>(W.w)) + W.row0 * W.ld + W.col0;
+  int first = 0;  // the first expert of this rank
+  while (first < n && !experts[first].w1.w) ++first;
+  if (first == n) return refuse("no expert on this rank");
+  const int32_t wt = experts[first].w1.t;
+  if (wt != kFP8 && wt != kBF16) return refuse("the experts are neither e4m3 nor bf16");
+  // Weights as elements of their size (e4m3 bytes, bf16 pairs): rows of 128 bytes per box.
+  const int64_t esz = wt == kFP8 ? 1 : 2;
+  const cuuint32_t kb = cuuint32_t(128 / esz);
+  const CUtensorMapDataType dt = wt == kFP8 ? CU_TENSOR_MAP_DATA_TYPE_UINT8 : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16;
+  auto base = [&](const DevLinear& W) {
+    return const_cast<uint8_t*>(static_cast<const uint8_t*>(W.w)) + (W.row0 * W.ld + W.col0) * esz;
   };
   const cuuint32_t step[4] = {1, 1, 1, 1};
   for (int e = 0; e < n; ++e) {
     const DevLinear &w1 = experts[e].w1, &w3 = experts[e].w3, &w2 = experts[e].w2;
     if (!w1.w) continue;  // another rank's expert
-    if (w1.t != kFP8 || w3.t != kFP8 || w2.t != kFP8) return refuse("an expert matrix is not e4m3");
+    if (w1.t != wt || w3.t != wt || w2.t != wt) return refuse("the expert matrices differ in dtype");
     // w1 | w3 as one 4-D tensor [groups of 8 rows][w1, w3][8 rows][cols]: a box of 8 groups is the
     // tile's 128 rows with w1 and w3 alternating every 8 (w3 must lie after w1, 16-byte aligned).
     const int64_t delta = base(w3) - base(w1);
@@ -371,14 +429,14 @@ void* moe_f8_tmaps(const DevExpert* experts, int n, std::string* why) {
     if (delta <= 0) return refuse("w3 lies before w1 in device memory");
     if (delta % 16 != 0 || delta >= (int64_t(1) << 40)) return refuse("w3 lies too far from w1, or not 16-byte aligned");
     const cuuint64_t d13[4] = {cuuint64_t(w1.cols), 8, 2, cuuint64_t(w1.rows / 8)},
-                     s13[3] = {cuuint64_t(w1.ld), cuuint64_t(delta), cuuint64_t(8 * w1.ld)};
-    const cuuint32_t b13[4] = {128, 8, 2, 8};
-    const cuuint64_t d2[2] = {cuuint64_t(w2.cols), cuuint64_t(w2.rows)}, s2[1] = {cuuint64_t(w2.ld)};
-    const cuuint32_t b2[2] = {128, 128};
-    if (encode(&maps[size_t(e) * kMapsPerExpert], CU_TENSOR_MAP_DATA_TYPE_UINT8, 4, base(w1), d13, s13, b13, step,
+                     s13[3] = {cuuint64_t(w1.ld * esz), cuuint64_t(delta), cuuint64_t(8 * w1.ld * esz)};
+    const cuuint32_t b13[4] = {kb, 8, 2, 8};
+    const cuuint64_t d2[2] = {cuuint64_t(w2.cols), cuuint64_t(w2.rows)}, s2[1] = {cuuint64_t(w2.ld * esz)};
+    const cuuint32_t b2[2] = {kb, 128};
+    if (encode(&maps[size_t(e) * kMapsPerExpert], dt, 4, base(w1), d13, s13, b13, step,
                CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
                CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) != CUDA_SUCCESS ||
-        encode(&maps[size_t(e) * kMapsPerExpert + 1], CU_TENSOR_MAP_DATA_TYPE_UINT8, 2, base(w2), d2, s2, b2, step,
+        encode(&maps[size_t(e) * kMapsPerExpert + 1], dt, 2, base(w2), d2, s2, b2, step,
                CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
                CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) != CUDA_SUCCESS)
       return refuse("the driver refused an expert's tensor map");
@@ -392,25 +450,28 @@ void* moe_f8_tmaps(const DevExpert* experts, int n, std::string* why) {
   return d;
 }
 
-void moe_f8_gemm(const Launch& L, const TcJob& j, int64_t grid_m, int64_t max_n) {
-  DSV3_CHECK(j.tmaps, "moe_f8_gemm: the experts' tensor maps (moe_f8_tmaps)");
-  DSV3_CHECK(j.grouped && j.swap && j.a_s && j.fp8 && !j.a_lo && !j.a_idx && j.M > 0 && j.lda % 16 == 0 &&
-                 j.splits == 1 && !j.w_pair.w && (!j.swiglu || j.o_f32) && j.tm == kToks,
-             "moe_f8_gemm: grouped FP8 GEMM-mode stages with swapped operands, pair-ordered tokens (M rows), "
-             "128-token tiles, float32 output");
+void moe_persist_gemm(const Launch& L, const TcJob& j, int64_t grid_m, int64_t max_n) {
+  DSV3_CHECK(j.tmaps, "moe_persist_gemm: the experts' tensor maps (moe_persist_tmaps)");
+  const bool bf = !j.a_s;  // bf16 weights and tokens (fast mode), else FP8 GEMM mode's e4m3
+  DSV3_CHECK(j.grouped && j.swap && j.fp8 == !bf && !j.a_lo && !j.a_idx && j.M > 0 && j.lda % 16 == 0 &&
+                 j.splits == 1 && !j.w_pair.w && (!j.swiglu || j.o_f32 == !bf) && j.tm == kToks,
+             "moe_persist_gemm: grouped stages with swapped operands (FP8 GEMM mode's e4m3 or fast mode's bf16), "
+             "pair-ordered tokens (M rows), 128-token tiles, SwiGLU output in float32 (bf16: bf16)");
   // The tokens [M pair rows, lda] in 32-row boxes of 128 bytes (rows past M read as zeros).
   CUtensorMap tok;
-  const cuuint64_t dims[2] = {cuuint64_t(j.lda), cuuint64_t(j.M)}, strides[1] = {cuuint64_t(j.lda)};
-  const cuuint32_t box[2] = {128, 32}, step[2] = {1, 1};
+  const cuuint64_t dims[2] = {cuuint64_t(j.lda), cuuint64_t(j.M)}, strides[1] = {cuuint64_t(j.lda * (bf ? 2 : 1))};
+  const cuuint32_t box[2] = {bf ? 64u : 128u, 32}, step[2] = {1, 1};
   const EncodeTiled encode = encode_tiled();
-  DSV3_CHECK(encode && encode(&tok, CU_TENSOR_MAP_DATA_TYPE_UINT8, 2, const_cast<void*>(j.a_hi), dims, strides, box,
+  DSV3_CHECK(encode && encode(&tok, bf ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_UINT8, 2,
+                              const_cast<void*>(j.a_hi), dims, strides, box,
                               step, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
                               CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS,
-             "moe_f8_gemm: the tokens' tensor map");
+             "moe_persist_gemm: the tokens' tensor map");
   const int64_t rows = j.swiglu ? kRows / 2 : kRows, n_wtiles = (max_n + rows - 1) / rows,
                 n_units = (n_wtiles + 1) / 2;
   const int64_t clusters = std::min<int64_t>(device_sms() / 2, std::max<int64_t>(1, grid_m * n_units));
-  allow_smem(moe_f8_kernel, kSmem);
+  auto kernel = bf ? moe_persist_kernel<true> : moe_persist_kernel<false>;
+  allow_smem(kernel, kSmem);
   cudaLaunchConfig_t cfg = {};
   cfg.gridDim = dim3(unsigned(2 * clusters));
   cfg.blockDim = dim3(kThreads);
@@ -423,7 +484,7 @@ void moe_f8_gemm(const Launch& L, const TcJob& j, int64_t grid_m, int64_t max_n)
   attr[1].val.programmaticStreamSerializationAllowed = 1;
   cfg.attrs = attr;
   cfg.numAttrs = L.pdl ? 2 : 1;
-  DSV3_CUDA_CHECK(cudaLaunchKernelEx(&cfg, moe_f8_kernel, j, tok, n_units));
+  DSV3_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, j, tok, n_units));
 }
 
 }  // namespace dsv3::cuda
