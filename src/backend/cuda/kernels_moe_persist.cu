@@ -232,6 +232,19 @@ __device__ __forceinline__ Work work_of(const TcJob& j, const Pair& p) {
   return k;
 }
 
+// The consumers' side of the ring: wait until the stage of ring position `it` is full, and return it.
+__device__ __forceinline__ uint8_t* stage_take(uint8_t* smem, uint32_t full, int it) {
+  const int st = it % kStages;
+  mbar_wait(full + 8 * st, unsigned((it / kStages) & 1));
+  return smem + st * kStageB;
+}
+// ... and mark it empty in both blocks of the cluster (this warp's MMAs on it and reads of it done).
+__device__ __forceinline__ void stage_give(uint32_t empty, int it) {
+  const uint32_t bar = empty + 8 * (it % kStages);
+  __syncwarp();
+  if ((threadIdx.x & 31) == 0) mbar_arrive_in(bar, 0), mbar_arrive_in(bar, 1);
+}
+
 // A consumer warpgroup's K loop over one pair (weight rows 64 q .. 64 q + 63 against the NT token
 // columns) into d, e4m3: each 128-K block's four MMAs write the partial product dp, added into d
 // times the weight block's and each token's scale. it: the ring position of the pair's first K
@@ -245,11 +258,9 @@ __device__ __forceinline__ void k_loop_e4m3(const TcJob& j, const Work& p, int& 
   const int64_t kb0 = p.col0 >> 7;
   float s0 = p.sc0[kb0], s1 = p.sc1[kb0];  // this K block's weight scales (the next ones load under its MMAs)
   for (int kt = 0; kt < p.nk; ++kt, ++it) {
-    const int st = it % kStages;
     const int kn = kt + 1 < p.nk ? kt + 1 : kt;
     const float nx0 = p.sc0[kb0 + kn], nx1 = p.sc1[kb0 + kn];
-    mbar_wait(full + 8 * st, unsigned((it / kStages) & 1));
-    uint8_t* sw = smem + st * kStageB;
+    uint8_t* sw = stage_take(smem, full, it);
     const uint64_t da = wg_desc(smem_addr(sw + kTileB)), db = wg_desc(smem_addr(sw + q * 64 * 128));
 #pragma unroll
     for (int i = 0; i < NA; ++i) reg_fence(dp[i]);
@@ -264,8 +275,7 @@ __device__ __forceinline__ void k_loop_e4m3(const TcJob& j, const Work& p, int& 
     const float r0 = j.swiglu || q == 0 ? s0 : s1, r1 = j.swiglu ? s1 : r0;  // the twin's scale of rows g, g + 8
 #pragma unroll
     for (int i = 0; i < NA; ++i) d[i] = fmaf(dp[i], ((i & 2) ? r1 : r0) * as[(i >> 2) * 8 + 2 * t + (i & 1)], d[i]);
-    __syncwarp();
-    if (lane == 0) mbar_arrive_in(empty + 8 * st, 0), mbar_arrive_in(empty + 8 * st, 1);
+    stage_give(empty, it);
     s0 = nx0, s1 = nx1;
   }
 }
@@ -276,11 +286,9 @@ template <int NT>
 __device__ __forceinline__ void k_loop_bf16(const Work& p, int& it, uint8_t* smem, uint32_t full, uint32_t empty,
                                             float (&d)[NT / 2]) {
   constexpr int NA = NT / 2;
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, q = warp >> 2;
+  const int q = int(threadIdx.x >> 7);
   for (int kt = 0; kt < p.nk; ++kt, ++it) {
-    const int st = it % kStages;
-    mbar_wait(full + 8 * st, unsigned((it / kStages) & 1));
-    uint8_t* sw = smem + st * kStageB;
+    uint8_t* sw = stage_take(smem, full, it);
     const uint64_t da = wg_desc(smem_addr(sw + kTileB)), db = wg_desc(smem_addr(sw + q * 64 * 128));
 #pragma unroll
     for (int i = 0; i < NA; ++i) reg_fence(d[i]);
@@ -290,8 +298,7 @@ __device__ __forceinline__ void k_loop_bf16(const Work& p, int& it, uint8_t* sme
     wg_commit_wait<0>();
 #pragma unroll
     for (int i = 0; i < NA; ++i) reg_fence(d[i]);
-    __syncwarp();
-    if (lane == 0) mbar_arrive_in(empty + 8 * st, 0), mbar_arrive_in(empty + 8 * st, 1);
+    stage_give(empty, it);
   }
 }
 
