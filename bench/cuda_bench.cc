@@ -7,6 +7,8 @@
 //
 //   dsv3_cuda_bench [--dtypes bf16,fp8] [--steps 64] [--json FILE] [--quick] [--profile] [--prefill-only]
 //                   [--ctx N]   (decode after N prefilled positions per row; default 16)
+//                   [--prefill BxT] (the prefill as B sequences of T tokens in one step, e.g. 16x512 for a
+//                   serving prompt step; default 1x1024, the only shape with the reference's anchors)
 //                   [--generate] (also Generator::run, greedy, argmax on the device vs the host sampler)
 //                   [--decode-only] [--variants default,unfused,...]   (only the named runs; unfused and
 //                   no-<fusion>: the step graph without its fusions or without one)
@@ -111,6 +113,7 @@ int main(int argc, char** argv) {
   std::vector<std::string> only;
   std::vector<int> batches = {1, 8};
   int ctx = 16, layers = 0;
+  int pre_b = 1, pre_t = 1024;  // --prefill BxT
   std::string json, shape;
   for (int i = 1; i < argc; ++i) {
     std::string s = argv[i];
@@ -152,6 +155,12 @@ int main(int argc, char** argv) {
       quick = true;
     } else if (s == "--prefill-only") {
       prefill_only = true;
+    } else if (s == "--prefill") {
+      const std::string v = next();
+      if (std::sscanf(v.c_str(), "%dx%d", &pre_b, &pre_t) != 2 || pre_b < 1 || pre_t < 1 || pre_b > 512) {
+        std::fprintf(stderr, "--prefill wants BxT (sequences x tokens, e.g. 16x512), not %s\n", v.c_str());
+        return 2;
+      }
     } else if (s == "--ctx") {
       ctx = std::max(1, std::atoi(next().c_str()));
     } else if (s == "--profile") {
@@ -162,7 +171,7 @@ int main(int argc, char** argv) {
       layers = std::max(1, std::atoi(next().c_str()));
     } else {
       std::fprintf(stderr, "usage: dsv3_cuda_bench [--dtypes bf16,fp8] [--steps N] [--json FILE] [--quick] [--profile] "
-                           "[--prefill-only] [--ctx N] [--decode-only] [--variants a,b] [--batches 1,8] [--generate] "
+                           "[--prefill-only] [--prefill BxT] [--ctx N] [--decode-only] [--variants a,b] [--batches 1,8] [--generate] "
                            "[--shape NAME [--layers N]]\n");
       return 2;
     }
@@ -285,12 +294,12 @@ int main(int argc, char** argv) {
         ModelOptions mo;
         mo.rewrites = v.rewrites;
         const int max_b = *std::max_element(batches.begin(), batches.end());
-        mo.max_seqs = std::max(8, max_b);
-        mo.max_len = std::max(1024 + 64, ctx + 8 + steps + 8);
+        mo.max_seqs = std::max({8, max_b, pre_b});
+        mo.max_len = std::max(pre_t + 64, ctx + 8 + steps + 8);
         Model model(a, std::move(w), std::move(be), mo);
         const int V = a.vocab_size;
         float* logits = nullptr;
-        cudaMallocHost(&logits, sizeof(float) * size_t(V) * size_t(std::max(8, max_b)));
+        cudaMallocHost(&logits, sizeof(float) * size_t(V) * size_t(std::max({8, max_b, pre_b})));
         std::mt19937 rng(7);
         std::uniform_int_distribution<int> tokd(0, V - 1);
         if (v.decode && !prefill_only) {
@@ -383,24 +392,26 @@ int main(int argc, char** argv) {
           }
         }
         if (v.prefill) {
-          const int T = 1024;
-          std::vector<int32_t> tok(static_cast<size_t>(T));
+          const int T = pre_t, PB = pre_b;  // PB sequences of T tokens, one step
+          const bool standard = PB == 1 && T == 1024;  // the reference's anchored shape
+          std::vector<int32_t> tok(static_cast<size_t>(PB) * T);
           for (auto& t : tok) t = tokd(rng);
           std::vector<double> ts;
           for (int r = 0; r < 4; ++r) {
             if (v.profile && r == 3) cuda::profile_report(*bp, true);
             const double t0 = now();
-            model.forward(tok.data(), 1, T, 0, logits);
+            model.forward(tok.data(), PB, T, 0, logits);
             if (r > 0) ts.push_back(now() - t0);
           }
           std::sort(ts.begin(), ts.end());
           const double ms = ts[ts.size() / 2] * 1e3;
-          const double flops = 2.0 * (linear_macs_per_token(a) * T + attention_macs(a, T));
+          const double flops = 2.0 * PB * (linear_macs_per_token(a) * T + attention_macs(a, T));
           const double floor_ms = std::max(flops / peak, double(all_bytes) / (bw * 1e9)) * 1e3;
           Line l;
-          l.dtype = dt, l.what = "prefill 1024", l.variant = v.name;
-          l.tok_s = T * 1e3 / ms, l.ms = ms, l.floor_ms = floor_ms;
-          if (anchored) {
+          l.dtype = dt, l.variant = v.name;
+          l.what = standard ? "prefill 1024" : "prefill " + std::to_string(PB) + "x" + std::to_string(T);
+          l.tok_s = double(PB) * T * 1e3 / ms, l.ms = ms, l.floor_ms = floor_ms;
+          if (anchored && standard) {
             l.ref = fp8 ? anchors::kRefFp8Bf16GemmPrefill1024 : anchors::kRefBf16Prefill1024;
             l.hf = anchors::kHfBf16Prefill1024;
           }
