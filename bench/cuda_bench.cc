@@ -274,6 +274,13 @@ int main(int argc, char** argv) {
         o.tune.moe_persist = false;
         vars.push_back({"moe-persist-0", o, true, true});
       }
+      for (int t : {0, 64, 128, 512}) {  // bf16 experts on the persistent kernel from t routed pairs per expert on average
+        const std::string name = "bf16-persist-" + std::to_string(t);
+        if (!asked(name)) continue;
+        CudaOptions o = base;
+        o.tune.moe_persist_bf16_min = t;
+        vars.push_back({name, o, true, true});
+      }
       if (asked("gate-route")) {  // one token routed by the gate kernel's last block, not the experts'
         CudaOptions o = base;
         o.tune.route_in_experts = false;

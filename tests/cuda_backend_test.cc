@@ -590,7 +590,7 @@ TEST(CudaOps, PersistentMoeMatchesTwin) {
   REQUIRE_GPU();
   for (const bool bf : {false, true}) {
     CudaOptions o = opts(bf, 0, true, 1);
-    o.fp8_gemm = !bf, o.tune.moe_tiles = 0;
+    o.fp8_gemm = !bf, o.tune.moe_tiles = 0, o.tune.moe_persist_bf16_min = 0;
     const char* dtype = bf ? "bf16" : "fp8";
     int64_t ran = 0;  // stages the last run put on the persistent kernel
     auto run = [&](bool persist, const ModelArgs* shape, const std::vector<int64_t>& ns) {

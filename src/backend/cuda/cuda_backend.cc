@@ -43,6 +43,8 @@ void CudaOptions::validate() const {
     fail("CUDA backend: tc_tm must be 0 (by the weight type), 64 or 128 rows per tile, got ", tune.tc_tm);
   if (tune.gemv_max < 0 || tune.gemv_max > 8) fail("CUDA backend: gemv_max must be in [0, 8], got ", tune.gemv_max);
   if (tune.moe_tiles < 0) fail("CUDA backend: moe_tiles must be 0 (never) or more, got ", tune.moe_tiles);
+  if (tune.moe_persist_bf16_min < 0)
+    fail("CUDA backend: moe_persist_bf16_min must be 0 (always) or more, got ", tune.moe_persist_bf16_min);
   if (tune.moe_tiles_fp8gemm < 0)
     fail("CUDA backend: moe_tiles_fp8gemm must be 0 (never) or more, got ", tune.moe_tiles_fp8gemm);
 }

@@ -39,6 +39,8 @@ struct CudaOptions {
     int tc_swap = 1;       // MoE prefill stages with weight rows as the wgmma's M: 0 never, 1 for e4m3 weights and in
                            // fast mode, 2 always
     bool moe_persist = true;  // swapped MoE stages (FP8 GEMM mode's, fast mode's bf16) on the persistent kernel (off: tc_gemm's form, its twin)
+    int moe_persist_bf16_min = 256;  // ... for bf16 experts only when the routed pairs average at least this many per
+                                     // expert (fewer: tc_gemm's form streams them faster; 0: always)
     bool wgmma = true;     // the pipelined kernel's sm_90a wgmma form (off: mma.sync, as on other GPUs)
     bool route_in_experts = true;  // one token: its expert GEMVs' blocks route it (off: the gate kernel does)
   } tune;

@@ -97,7 +97,7 @@ void CudaBackend::moe_op(const ModelArgs& a, const MoEWeights& w, const float* x
     const bool f8 = fp8_moe(T, n, D);
     // (Swapped operands in FP8 GEMM mode, or over bf16 experts in fast mode: the persistent kernel,
     // tc_gemm's form its twin; its tokens quantised or split in pair order, so that TMA loads them)
-    const bool bf_fast = T.wtype == cuda::kBF16 && fast_at(n);
+    const bool bf_fast = T.wtype == cuda::kBF16 && fast_at(n) && n * K >= int64_t(opt_.tune.moe_persist_bf16_min) * E;
     const bool persist = (f8 || bf_fast) && swap && opt_.tune.moe_persist && T.tmaps;
     cuda::TcJob j0 = persist && f8 ? quant_input(x, P, D, false, s.perm)
                      : persist     ? split_input(x, P, D, /*fast=*/true, s.perm)
