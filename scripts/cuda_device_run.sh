@@ -11,6 +11,8 @@
 # ALT_NVFLAGS (build the kernels a second time with these nvcc flags as bench_alt and run BENCH_ARGS on
 # both, alternating ALT_ROUNDS times with ALT_ARGS if given), ALT_SRC (... or from the CUDA backend (.cu and .cc) of this copy of src/, e.g.
 # an untracked alt/src carried along), ALT2_NVFLAGS / ALT2_SRC (a third build, bench_alt2, in the same rounds), LT_ARGS (run dsv3_cublaslt_bench with them), CLI=1 (also build `dsv3` with the bench command; CLI=full: every command, the server included) and CLI_ARGS (run it, e.g. "bench --device cuda ...").
+# MPI=1: build with the MPI world (OpenMPI carried in .devdeps/mpi.tar.xz, unpacked there) so that
+# `mpirun -np N $B/dsv3 ...` runs ranks across the machine's GPUs.
 # OLD_TREE=DIR (another checkout, e.g. an untracked copy of main carried along: built with its own copy of
 # this script in the background, its benchmark run alternately with this tree's, OLD_ROUNDS times, with OLD_ARGS,
 # default BENCH_ARGS), JOBS (parallel compiles, default all cores).
@@ -44,6 +46,22 @@ if [ "${1:-}" = "--deps" ]; then
   # DSV3_TOKENIZER_DIR=.devdeps/tokenizer there.
   tok=${DSV3_TOKENIZER_DIR:-$HOME/.cache/dsv3/tokenizer/deepseek-v3}
   [ -f "$tok/tokenizer.json" ] && cp -r "$tok" "$DEPS/tokenizer" || echo "no tokenizer in $tok: run scripts/fetch_tokenizer.sh"
+  # OpenMPI's runtime and headers (Debian's 4.1 with PMIx), for `mpirun` on a machine with several GPUs (MPI=1
+  # there): its files at their own absolute paths, unpacked there beside the image's own without replacing any.
+  # Only what the shared-memory launch on one host needs; components that want absent libraries (InfiniBand,
+  # UCX, libfabric) are skipped there quietly.
+  L=/usr/lib/x86_64-linux-gnu
+  if [ -f "$L/libmpi.so.40" ] && [ -x /usr/bin/orterun ]; then
+    stage=$(mktemp -d)
+    tar -cf - $L/openmpi $L/pmix2 /usr/share/openmpi /etc/openmpi /usr/bin/orterun /usr/bin/orted \
+      $(ls $L/libmpi.so.40* $L/libopen-pal.so.40* $L/libopen-rte.so.40* $L/libmca_common_*.so.* $L/libpmix.so.2* \
+           $L/libhwloc.so.15* $L/libevent_core-2.1.so.7* $L/libevent_pthreads-2.1.so.7* $L/libmunge.so.2* \
+           $L/libnl-3.so.200* $L/libnl-route-3.so.200*) 2>/dev/null | tar -xf - -C "$stage"
+    ln -s orterun "$stage/usr/bin/mpirun"
+    tar -cJf "$DEPS/mpi.tar.xz" -C "$stage" usr etc && rm -rf "$stage"
+  else
+    echo "no OpenMPI here (apt-get install openmpi-bin libopenmpi-dev): MPI=1 will not work on the device"
+  fi
   grep -qx '/.devdeps/' .git/info/exclude 2>/dev/null || echo '/.devdeps/' >> .git/info/exclude
   exit 0
 fi
@@ -78,11 +96,23 @@ for d in /usr/local/cuda /usr $(ls -d /usr/local/lib/python3*/dist-packages/nvid
   fi
 done
 echo "NCCL: ${NCCL_LIB:-none found}" | tee -a "$OUT/summary.txt"
-CXXFLAGS="-std=c++20 -O2 -g -DDSV3_HAVE_CUDA $NCCL_DEF $NCCL_INC -I$ROOT/src -I$DEPS/include -I$DEPS/gtest/include -I/usr/local/cuda/include"
+# MPI=1: OpenMPI from .devdeps/mpi.tar.xz (unpacked into / where the machine lacks it), the MPI world in the
+# build (src/dist/mpi_comm.cc), and mpirun set up for one host as root (no ssh; absent optional components quiet).
+MPI_DEF=; MPI_SRC=; MPI_LIB=
+if [ "${MPI:-0}" = 1 ]; then
+  tar -xJf "$DEPS/mpi.tar.xz" -C / --skip-old-files --no-overwrite-dir || { echo "MPI=1: no usable $DEPS/mpi.tar.xz"; exit 1; }
+  export OMPI_MCA_plm=isolated OMPI_MCA_mca_base_component_show_load_errors=0
+  export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
+  MPI_DEF="-DDSV3_HAVE_MPI -I/usr/lib/x86_64-linux-gnu/openmpi/include"
+  MPI_SRC=src/dist/mpi_comm.cc
+  MPI_LIB="-L/usr/lib/x86_64-linux-gnu/openmpi/lib -lmpi"
+  echo "MPI: $(mpirun --version 2>&1 | head -1)" | tee -a "$OUT/summary.txt"
+fi
+CXXFLAGS="-std=c++20 -O2 -g -DDSV3_HAVE_CUDA $NCCL_DEF $NCCL_INC $MPI_DEF -I$ROOT/src -I$DEPS/include -I$DEPS/gtest/include -I/usr/local/cuda/include"
 NVFLAGS="-std=c++17 -O3 -lineinfo -DDSV3_HAVE_CUDA -I$ROOT/src -gencode=arch=compute_90a,code=sm_90a -Xptxas -v"
 CUDA_CC=$(ls src/backend/cuda/*.cc | { if [ -n "$NCCL_DEF" ]; then cat; else grep -v '/nccl\.cc$'; fi; })
 SRCS="src/core/*.cc src/io/mmap_file.cc src/io/safetensors.cc src/io/safetensors_writer.cc src/io/checkpoint.cc src/model/*.cc
-      src/backend/backend.cc src/backend/host_weights.cc src/backend/ref/*.cc $CUDA_CC src/dist/comm.cc src/runtime/*.cc"
+      src/backend/backend.cc src/backend/host_weights.cc src/backend/ref/*.cc $CUDA_CC src/dist/comm.cc $MPI_SRC src/runtime/*.cc"
 log "build"
 t0=$(date +%s)
 JOBS=${JOBS:-$(nproc)}
@@ -140,7 +170,7 @@ wait
 fail=0
 ls "$B"/FAILED_* > /dev/null 2>&1 && fail=1
 cat $B/obj/*.cu.o.log > "$OUT/ptxas.txt" 2>/dev/null
-LIBS="-L/usr/local/cuda/lib64 -lcublas -lcublasLt -lcudart $NCCL_LIB -lpthread"
+LIBS="-L/usr/local/cuda/lib64 -lcublas -lcublasLt -lcudart $NCCL_LIB $MPI_LIB -lpthread"
 # Links bench_NAME: the main build's objects but its kernels (with a source tree of its own, but
 # the CUDA backend's host code and the benchmark as well), and NAME's.  alt_link NAME SRC_TREE
 alt_link() {
