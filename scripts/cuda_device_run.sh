@@ -100,7 +100,7 @@ echo "NCCL: ${NCCL_LIB:-none found}" | tee -a "$OUT/summary.txt"
 # build (src/dist/mpi_comm.cc), and mpirun set up for one host as root (no ssh; absent optional components quiet).
 MPI_DEF=; MPI_SRC=; MPI_LIB=
 if [ "${MPI:-0}" = 1 ]; then
-  tar -xJf "$DEPS/mpi.tar.xz" -C / --skip-old-files --no-overwrite-dir || { echo "MPI=1: no usable $DEPS/mpi.tar.xz"; exit 1; }
+  tar -xJf "$DEPS/mpi.tar.xz" -C / --skip-old-files --keep-directory-symlink || { echo "MPI=1: no usable $DEPS/mpi.tar.xz"; exit 1; }
   export OMPI_MCA_plm=isolated OMPI_MCA_mca_base_component_show_load_errors=0
   export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
   MPI_DEF="-DDSV3_HAVE_MPI -I/usr/lib/x86_64-linux-gnu/openmpi/include"
