@@ -125,9 +125,11 @@ TEST(Rewrites, CpuFusedPlanGivesTheUnfusedLogits) {
     std::vector<float> out[2];
     for (int fused = 0; fused < 2; ++fused) {
       ModelOptions opt;
-      opt.max_seqs = 2, opt.max_len = 64, opt.rewrites = fused ? kRewritesAll : 0;
+      opt.max_seqs = 2, opt.max_len = 64, opt.rewrites = fused ? uint32_t(kRewritesAll) : 0u;
       Model m(Checkpoint::open(case_dir(c) + "/hf"), make_cpu_backend(), opt);
-      if (fused) EXPECT_TRUE(has(plan_text(m.graph(9, 2)), "add_rmsnorm:"));
+      if (fused) {
+        EXPECT_TRUE(has(plan_text(m.graph(9, 2)), "add_rmsnorm:"));
+      }
       const int V = m.args().vocab_size;
       std::vector<int32_t> toks = {3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8, 9, 7, 9, 3, 2, 3};
       std::vector<float> logits(size_t(2 * V));

@@ -418,13 +418,16 @@ TEST(Synth, ShardsRespectTheLimitAndKeepScalesWithTheirWeights) {
     SafetensorsFile f(d / "m/" + name);
     uint64_t data = 0;
     for (auto& [n, e] : f.entries()) data += e.end - e.begin;
-    if (f.entries().size() > 2) EXPECT_LE(data, uint64_t(1e6)) << name;  // only a lone tensor may exceed
+    if (f.entries().size() > 2) {
+      EXPECT_LE(data, uint64_t(1e6)) << name;  // only a lone tensor may exceed
+    }
   }
   for (auto it = idx["weight_map"].begin(); it != idx["weight_map"].end(); ++it) {
     const std::string& n = it.key();
     const std::string suffix = ".weight_scale_inv";
-    if (n.size() > suffix.size() && n.compare(n.size() - suffix.size(), suffix.size(), suffix) == 0)
+    if (n.size() > suffix.size() && n.compare(n.size() - suffix.size(), suffix.size(), suffix) == 0) {
       EXPECT_EQ(it.value(), idx["weight_map"][n.substr(0, n.size() - suffix.size()) + ".weight"]) << n;
+    }
   }
 }
 
@@ -593,8 +596,9 @@ TEST(Synth, CopiesTheTokenizerWhenThereIsOne) {
   ASSERT_EQ(rc, 0) << out;
   EXPECT_NE(out.find("100%"), std::string::npos) << out;  // progress lines when stderr is no terminal
   EXPECT_EQ(slurp(d / "m/tokenizer.json"), slurp(tok + "/tokenizer.json"));
-  if (fs::exists(tok + "/tokenizer_config.json"))
+  if (fs::exists(tok + "/tokenizer_config.json")) {
     EXPECT_EQ(slurp(d / "m/tokenizer_config.json"), slurp(tok + "/tokenizer_config.json"));
+  }
   EXPECT_EQ(load_model_args(*Checkpoint::open(d / "m")).dtype, "fp8");  // tiny's own dtype
 }
 
