@@ -598,8 +598,8 @@ const std::map<std::string, TestDef>& tests() {
         }};
     t["sequence"] = {{}, [](const Value& v, const Params&) {  // has len() and [i] (Undefined has both)
                        return v.is_undefined() ||
-                              v.is_data() && v.indexable() &&
-                                  (v.data().is_string() || v.data().is_array() || v.data().is_object());
+                              (v.is_data() && v.indexable() &&
+                               (v.data().is_string() || v.data().is_array() || v.data().is_object()));
                      }};
     t["callable"] = {{}, [](const Value& v, const Params&) { return v.kind == Value::Kind::Callable; }};
     auto cmp = [](auto pred) {
