@@ -14,7 +14,10 @@
 //                   no-<fusion>: the step graph without its fusions or without one)
 //                   [--shape 671B [--layers N]]   (another model's shape, model/shapes.h, cut to N layers;
 //                   the reference's anchors go with the default shape only)
-// --profile adds a run that times every op and kernel group with events (no graphs).
+// --profile adds a run that times every op and kernel group with events (no graphs). The last timed
+// decode step of each batch and the last prefill run lie in a profiler range (cudaProfilerStart /
+// Stop), so `ncu --profile-from-start off` sees only their kernels.
+#include <cuda_profiler_api.h>
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -281,6 +284,11 @@ int main(int argc, char** argv) {
         o.tune.moe_persist_bf16_min = t;
         vars.push_back({name, o, true, true});
       }
+      if (asked("mla-group-1")) {  // each prefill run's wkv_b product alone (default: runs of a step share one)
+        CudaOptions o = base;
+        o.tune.mla_group_rows = 1;
+        vars.push_back({"mla-group-1", o, false, true});
+      }
       if (asked("gate-route")) {  // one token routed by the gate kernel's last block, not the experts'
         CudaOptions o = base;
         o.tune.route_in_experts = false;
@@ -333,7 +341,10 @@ int main(int argc, char** argv) {
               }
               std::vector<int32_t> step(static_cast<size_t>(B));
               for (auto& t : step) t = tokd(rng);
+              const bool last = s == warm + n - 1;
+              if (last) cudaProfilerStart();
               model.forward(step.data(), B, 1, T0 + s, logits);
+              if (last) cudaProfilerStop();
             }
             const double ms = (now() - t0) * 1e3 / n;
             // Bytes a step reads: everything but the routed experts, plus the experts the B tokens
@@ -407,7 +418,9 @@ int main(int argc, char** argv) {
           for (int r = 0; r < 4; ++r) {
             if (v.profile && r == 3) cuda::profile_report(*bp, true);
             const double t0 = now();
+            if (r == 3) cudaProfilerStart();
             model.forward(tok.data(), PB, T, 0, logits);
+            if (r == 3) cudaProfilerStop();
             if (r > 0) ts.push_back(now() - t0);
           }
           std::sort(ts.begin(), ts.end());

@@ -97,10 +97,13 @@ TEST(CudaOps, MlaLongRunMatchesRef) {
   auto ref = make_ref_backend();
   // Modes: 0 float32-grade; 1 fast mode; 2 fast mode over a bf16 cache (LayerCache::bf16, as the
   // backend keeps it in fast mode): the ref runs on the rounded rows, the rows written come back
-  // rounded, the 20 singles of layout 1 take the tensor-core many-token kernel.
-  for (int mode : {0, 1, 2}) {
-    const bool fast = mode > 0, b16 = mode == 2;
-    auto cuda = make_cuda_backend(opts(fast, 0, false, 1));
+  // rounded, the 20 singles of layout 1 take the tensor-core many-token kernel. Mode 3: mode 0 with
+  // each run's wkv_b product alone (tune.mla_group_rows below the two runs' 330 rows).
+  for (int mode : {0, 1, 2, 3}) {
+    const bool fast = mode == 1 || mode == 2, b16 = mode == 2;
+    CudaOptions o = opts(fast, 0, false, 1);
+    if (mode == 3) o.tune.mla_group_rows = 200;
+    auto cuda = make_cuda_backend(o);
     for (std::string c : {"v2lite_bf16", "v2_groups_bf16"}) {
       TwoWeights W(c, *cuda);
       const ModelArgs& a = W.a;
@@ -721,6 +724,10 @@ TEST(CudaOptions, OutOfRangeOptionsAreRefused) {
       {&CudaOptions::Tuning::tc_tm, "tc_tm", {-1, 32, 96, 256}, {0, 64, 128}},
       {&CudaOptions::Tuning::tc_swap, "tc_swap", {-1, 3}, {0, 1, 2}},
       {&CudaOptions::Tuning::gemv_max, "gemv_max", {-1, 9}, {0, 1, 8}},
+      {&CudaOptions::Tuning::moe_tiles, "moe_tiles", {-1}, {0, 12}},
+      {&CudaOptions::Tuning::moe_tiles_fp8gemm, "moe_tiles_fp8gemm", {-1}, {0, 6}},
+      {&CudaOptions::Tuning::moe_persist_bf16_min, "moe_persist_bf16_min", {-1}, {0, 256}},
+      {&CudaOptions::Tuning::mla_group_rows, "mla_group_rows", {-1, 0}, {1, 16384}},
   };
   for (const IntOption& c : cases) {
     for (int v : c.bad) {

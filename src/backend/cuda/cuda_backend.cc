@@ -45,6 +45,7 @@ void CudaOptions::validate() const {
   if (tune.moe_tiles < 0) fail("CUDA backend: moe_tiles must be 0 (never) or more, got ", tune.moe_tiles);
   if (tune.moe_persist_bf16_min < 0)
     fail("CUDA backend: moe_persist_bf16_min must be 0 (always) or more, got ", tune.moe_persist_bf16_min);
+  if (tune.mla_group_rows < 1) fail("CUDA backend: mla_group_rows must be 1 or more, got ", tune.mla_group_rows);
   if (tune.moe_tiles_fp8gemm < 0)
     fail("CUDA backend: moe_tiles_fp8gemm must be 0 (never) or more, got ", tune.moe_tiles_fp8gemm);
 }

@@ -41,6 +41,8 @@ struct CudaOptions {
     bool moe_persist = true;  // swapped MoE stages (FP8 GEMM mode's, fast mode's bf16) on the persistent kernel (off: tc_gemm's form, its twin)
     int moe_persist_bf16_min = 256;  // ... for bf16 experts only when the routed pairs average at least this many per
                                      // expert (fewer: tc_gemm's form streams them faster; 0: always)
+    int mla_group_rows = 16384;  // prefill runs of one step whose prefixes add up to at most this many rows share
+                                 // one wkv_b product (a run longer than this: alone)
     bool wgmma = true;     // the pipelined kernel's sm_90a wgmma form (off: mma.sync, as on other GPUs)
     bool route_in_experts = true;  // one token: its expert GEMVs' blocks route it (off: the gate kernel does)
   } tune;

@@ -193,15 +193,18 @@ void CudaBackend::mla_absorbed(const MlaCall& c, const cuda::MlaDims& d, const c
   else cuda::gemv(L_, wv, nullptr, io);
 }
 
-// MLA for long runs of a sequence (prefill) over the latent cache: the run's rows [0, end)
+// MLA for long runs of a sequence (prefill) over the latent cache: each run's rows [0, end)
 // gathered from their blocks, K/V decompressed through wkv_b (as the naive form; 192 + 128
 // multiply-adds per (query, key, head) instead of the absorbed form's 1088), then the flash
 // kernel, or per head cuBLAS GEMMs for the scores (nope part batched over heads, rope part
-// shared), a causal softmax and the values in chunks of 512 queries. Float32 GEMMs (bf16 tensor
-// cores in fast mode). out [n, H * V].
+// shared), a causal softmax and the values in chunks of 512 queries. Consecutive runs whose rows
+// add up to at most tune.mla_group_rows share one gather buffer and one wkv_b product (a serving step's
+// sixteen 512-token prompt chunks: one GEMM of 8192 rows, not sixteen of 512). Float32 GEMMs
+// (bf16 tensor cores in fast mode). out [n, H * V].
 void CudaBackend::mla_runs(const cuda::MlaDims& d, const std::vector<std::pair<int64_t, int64_t>>& runs,
                            const MlaCall& c, const DevLinear& wkv_b) {
   constexpr int64_t kChunk = 512;
+  const int64_t group_rows = opt_.tune.mla_group_rows;
   const TokenPos* tp = c.step->pos;
   const int64_t tp_n = c.step->n;
   const DevPos* pos = step_pos(*c.step);
@@ -211,37 +214,49 @@ void CudaBackend::mla_runs(const cuda::MlaDims& d, const std::vector<std::pair<i
   // Fast mode: bf16 tensor cores with float32 accumulation (the reference's attention arithmetic).
   const cublasComputeType_t ct = fast_at(tp_n) ? CUBLAS_COMPUTE_32F_FAST_16BF : CUBLAS_COMPUTE_32F;
   const float one = 1.f, zero = 0.f, scale = d.scale;
-  for (auto [r0, r1] : runs) {
-    const int64_t end = tp[r1 - 1].pos + 1;
+  auto end_of = [&](size_t r) { return tp[runs[r].second - 1].pos + 1; };  // a run's keys: rows [0, end)
+  for (size_t g0 = 0, g1 = 0; g0 < runs.size(); g0 = g1) {
+    int64_t rows = 0;  // runs [g0, g1): rows of their prefixes one after another
+    for (g1 = g0; g1 < runs.size() && (g1 == g0 || rows + end_of(g1) <= group_rows); ++g1) rows += end_of(g1);
     mark("mla.gather");
-    float* kvs = f32(kGather, size_t(end * (C + R)));  // [end, C] latent, then [end, R] rope keys
-    float* pes = kvs + end * C;
-    cuda::gather_cache_rows(L_, d, tp[r0].slot, end, c.cache->kv, c.cache->pe, kvs, pes);
+    float* kvs = f32(kGather, size_t(rows * (C + R)));  // [rows, C] latent, then [rows, R] rope keys
+    float* pes_all = kvs + rows * C;
+    int64_t off = 0;
+    for (size_t r = g0; r < g1; off += end_of(r), ++r)
+      cuda::gather_cache_rows(L_, d, tp[runs[r].first].slot, end_of(r), c.cache->kv, c.cache->pe, kvs + off * C,
+                              pes_all + off * R);
     mark("mla.expand");
-    float* kvb = f32(kKvb, size_t(end * H * KV));  // [end, H, nope + V]
-    run_linear(wkv_b, kvs, end, kvb, H * KV, /*fp8=*/false);
+    float* kvb_all = f32(kKvb, size_t(rows * H * KV));  // [rows, H, nope + V]
+    run_linear(wkv_b, kvs, rows, kvb_all, H * KV, /*fp8=*/false);
     mark("mla.attn");
-    if (flash) {
-      const int64_t m = r1 - r0, pos0 = tp[r0].pos;
-      void* ws = scratch(kS, cuda::flash_prefill_ws(d, m, pos0));
-      cuda::flash_prefill(L_, d, {c.q + r0 * H * qk, m, pos0, kvb, pes, c.out + r0 * H * V, !fast_at(tp_n), ws});
-      continue;
-    }
-    for (int64_t c0 = r0; c0 < r1; c0 += kChunk) {
-      const int64_t c1 = std::min(r1, c0 + kChunk), Lk = tp[c1 - 1].pos + 1, m = c1 - c0;
-      float* Sc = S + c0 * H * ML;
-      const float* qc = c.q + c0 * H * qk;
-      // S[i, h, t] = scale * (q_nope[i, h] · k_nope[t, h] + q_pe[i, h] · pe[t])
-      CB(cublasGemmStridedBatchedEx(cublas_, CUBLAS_OP_T, CUBLAS_OP_N, int(Lk), int(m), int(nope), &scale, kvb,
-                                    CUDA_R_32F, int(H * KV), KV, qc, CUDA_R_32F, int(H * qk), qk, &zero, Sc,
-                                    CUDA_R_32F, int(H * ML), ML, int(H), ct, CUBLAS_GEMM_DEFAULT));
-      CB(cublasGemmEx(cublas_, CUBLAS_OP_T, CUBLAS_OP_N, int(Lk), int(m * H), int(R), &scale, pes, CUDA_R_32F, int(R),
-                      qc + nope, CUDA_R_32F, int(qk), &one, Sc, CUDA_R_32F, int(ML), ct, CUBLAS_GEMM_DEFAULT));
-      cuda::causal_softmax_rows(L_, Sc, m * H, ML, Lk, pos, c0, int(H));
-      // out[i, h*V + v] = sum_t P[i, h, t] * v[t, h, v]
-      CB(cublasGemmStridedBatchedEx(cublas_, CUBLAS_OP_N, CUBLAS_OP_N, int(V), int(m), int(Lk), &one, kvb + nope,
-                                    CUDA_R_32F, int(H * KV), KV, Sc, CUDA_R_32F, int(H * ML), ML, &zero,
-                                    c.out + c0 * H * V, CUDA_R_32F, int(H * V), V, int(H), ct, CUBLAS_GEMM_DEFAULT));
+    off = 0;
+    for (size_t r = g0; r < g1; off += end_of(r), ++r) {
+      const auto [r0, r1] = runs[r];
+      const float *kvb = kvb_all + off * H * KV, *pes = pes_all + off * R;
+      if (flash) {
+        const int64_t m = r1 - r0, pos0 = tp[r0].pos;
+        void* ws = scratch(kS, cuda::flash_prefill_ws(d, m, pos0));
+        cuda::flash_prefill(L_, d, {c.q + r0 * H * qk, m, pos0, kvb, pes, c.out + r0 * H * V, !fast_at(tp_n), ws});
+        continue;
+      }
+      for (int64_t c0 = r0; c0 < r1; c0 += kChunk) {
+        const int64_t c1 = std::min(r1, c0 + kChunk), Lk = tp[c1 - 1].pos + 1, m = c1 - c0;
+        float* Sc = S + c0 * H * ML;
+        const float* qc = c.q + c0 * H * qk;
+        // S[i, h, t] = scale * (q_nope[i, h] · k_nope[t, h] + q_pe[i, h] · pe[t])
+        CB(cublasGemmStridedBatchedEx(cublas_, CUBLAS_OP_T, CUBLAS_OP_N, int(Lk), int(m), int(nope), &scale, kvb,
+                                      CUDA_R_32F, int(H * KV), KV, qc, CUDA_R_32F, int(H * qk), qk, &zero, Sc,
+                                      CUDA_R_32F, int(H * ML), ML, int(H), ct, CUBLAS_GEMM_DEFAULT));
+        CB(cublasGemmEx(cublas_, CUBLAS_OP_T, CUBLAS_OP_N, int(Lk), int(m * H), int(R), &scale, pes, CUDA_R_32F,
+                        int(R), qc + nope, CUDA_R_32F, int(qk), &one, Sc, CUDA_R_32F, int(ML), ct,
+                        CUBLAS_GEMM_DEFAULT));
+        cuda::causal_softmax_rows(L_, Sc, m * H, ML, Lk, pos, c0, int(H));
+        // out[i, h*V + v] = sum_t P[i, h, t] * v[t, h, v]
+        CB(cublasGemmStridedBatchedEx(cublas_, CUBLAS_OP_N, CUBLAS_OP_N, int(V), int(m), int(Lk), &one, kvb + nope,
+                                      CUDA_R_32F, int(H * KV), KV, Sc, CUDA_R_32F, int(H * ML), ML, &zero,
+                                      c.out + c0 * H * V, CUDA_R_32F, int(H * V), V, int(H), ct,
+                                      CUBLAS_GEMM_DEFAULT));
+      }
     }
   }
 }
