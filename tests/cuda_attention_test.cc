@@ -439,13 +439,13 @@ TEST(CudaOps, ValueAbsorptionCombinesSplits) {
 }
 
 // The q absorption of mla_prep_qabs at the 16B shape (nope 128, C 512, 16 heads), its forms
-// (16-byte loads for 1-8 tokens, tensor cores for 40 and 70: partial 16-token tiles, two token
-// groups; element-wise, the twin), bf16 / e4m3 / float32 wkv_b: against float64 on the host, and
-// the prep half's cache row written.
+// (16-byte loads for 1-8 tokens, tensor cores for 40, 70 and 150: partial 16-token tiles, two
+// blocks of tokens; element-wise, the twin; the tensor-core form with qabs_bf16), bf16 / e4m3 / float32
+// wkv_b: against float64 on the host, and the prep half's cache row written.
 TEST(CudaOps, DecodeQAbsorptionMatchesFloat64) {
   REQUIRE_GPU();
   auto cuda = make_cuda_backend(opts());
-  const test::Paged paged(70, 16, 4);
+  const test::Paged paged(150, 16, 4);
   DevTables tables(*cuda, paged);
   cuda::MlaDims d;
   d.H = 16, d.nope = 128, d.R = 64, d.C = 512, d.V = 128, d.scale = 0.07f, d.eps = 1e-6f;
@@ -456,31 +456,44 @@ TEST(CudaOps, DecodeQAbsorptionMatchesFloat64) {
     const Linear dl = to_device(*cuda, h.lin);
     const DevLinear w = dev_linear_of(dl, rows, C);
     auto wval = [&](int64_t r, int64_t c) { return host_w(h, t, C, r, c); };
-    for (int64_t n : {1, 3, 8, 40, 70}) {
+    for (int64_t n : {1, 3, 8, 40, 70, 150}) {
       std::vector<cuda::DevPos> tp;
       for (int64_t i = 0; i < n; ++i) tp.push_back({int32_t(i), int32_t(i % 5)});
       const std::vector<float> q = randn(size_t(n * H * qk), 71), kv = randn(size_t(n * (C + R)), 72),
                                nw = randn(size_t(C), 73), rope = randn(size_t(d.max_len * R), 74);
-      std::vector<float> want(size_t(n * H * C));
-      for (int64_t i = 0; i < n; ++i)
-        for (int64_t hh = 0; hh < H; ++hh)
-          for (int64_t c = 0; c < C; ++c) {
-            double v = 0;
-            for (int64_t k = 0; k < d.nope; ++k) v += double(q[size_t((i * H + hh) * qk + k)]) * wval(hh * (d.nope + d.V) + k, c);
-            want[size_t((i * H + hh) * C + c)] = float(v);
-          }
-      for (bool vec : {true, false}) {
+      // The tensor-core form with qabs_bf16 (fast mode) takes q_nope rounded to bf16: its oracle
+      // is the same float64 sum over the rounded values.
+      const std::vector<float> q16 = rounded_bf16(q);
+      auto absorbed = [&](const std::vector<float>& qv) {
+        std::vector<float> want(size_t(n * H * C));
+        for (int64_t i = 0; i < n; ++i)
+          for (int64_t hh = 0; hh < H; ++hh)
+            for (int64_t c = 0; c < C; ++c) {
+              double v = 0;
+              for (int64_t k = 0; k < d.nope; ++k)
+                v += double(qv[size_t((i * H + hh) * qk + k)]) * wval(hh * (d.nope + d.V) + k, c);
+              want[size_t((i * H + hh) * C + c)] = float(v);
+            }
+        return want;
+      };
+      const std::vector<float> want32 = absorbed(q), want16 = absorbed(q16);
+      for (int form : {0, 1, 2}) {  // 16-byte (tensor cores from 16 tokens), element-wise, 16-byte with qabs_bf16
+        const bool vec = form != 1, b16 = form == 2 && n >= 16 && t != DType::F32;
+        if (form == 2 && !b16) continue;
+        const std::vector<float>& want = b16 ? want16 : want32;
         Dev dq(*cuda, q), dkv(*cuda, kv), dnw(*cuda, nw), drope(*cuda, rope);
         Dev ckv(*cuda, std::vector<float>(size_t(paged.rows() * C), 0.f)), cpe(*cuda, size_t(paged.rows() * R));
         Dev qa(*cuda, std::vector<float>(want.size(), std::nanf("")));
         Dev dpos(*cuda, pos_words(tp.data(), tp.size()));
         cuda::Launch L;
-        const cuda::MlaPrep prep{reinterpret_cast<const cuda::DevPos*>(dpos.p), n, dq.p, dkv.p, dnw.p, drope.p,
-                                 ckv.p, cpe.p};
+        cuda::MlaPrep prep{reinterpret_cast<const cuda::DevPos*>(dpos.p), n, dq.p, dkv.p, dnw.p, drope.p,
+                           ckv.p, cpe.p};
+        prep.qabs_bf16 = b16;
         cuda::mla_prep_qabs(L, d, prep, w, qa.p, vec);
         ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
         const std::vector<float> got = qa.get();
-        const std::string what = std::string(dtype_name(t)) + " n=" + std::to_string(n) + (vec ? " 16-byte" : " scalar");
+        const std::string what = std::string(dtype_name(t)) + " n=" + std::to_string(n) +
+                                 (vec ? " 16-byte" : " scalar") + (b16 ? " bf16 q" : "");
         for (size_t e = 0; e < got.size(); ++e) ASSERT_TRUE(std::isfinite(got[e])) << what << ": unwritten at " << e;
         EXPECT_LE(rel_l2(got.data(), want.data(), got.size()), 2e-6) << what;
         // the prep half: token i's normalised latent in its cache row (slot i, position i % 5)
@@ -725,7 +738,7 @@ TEST(CudaOptions, OutOfRangeOptionsAreRefused) {
       {&CudaOptions::Tuning::tc_swap, "tc_swap", {-1, 3}, {0, 1, 2}},
       {&CudaOptions::Tuning::gemv_max, "gemv_max", {-1, 9}, {0, 1, 8}},
       {&CudaOptions::Tuning::moe_tiles, "moe_tiles", {-1}, {0, 12}},
-      {&CudaOptions::Tuning::moe_tiles_fp8gemm, "moe_tiles_fp8gemm", {-1}, {0, 6}},
+      {&CudaOptions::Tuning::moe_tiles_fp8gemm, "moe_tiles_fp8gemm", {-1}, {0, 5}},
       {&CudaOptions::Tuning::moe_persist_bf16_min, "moe_persist_bf16_min", {-1}, {0, 256}},
       {&CudaOptions::Tuning::mla_group_rows, "mla_group_rows", {-1, 0}, {1, 16384}},
   };

@@ -35,7 +35,7 @@ struct CudaOptions {
     int tc_tm = 0;         // rows per tile of the pipelined kernel: 64, 128, or 0: 128 for e4m3 weights, 64 for bf16
     int moe_tiles = 12;    // MoE steps of tc_min tokens or more over e4m3 experts whose routed pairs average at most
                            // this many per expert: the tensor-core GEMV over tiles of 8 pairs, not the grouped GEMM (0: never)
-    int moe_tiles_fp8gemm = 6;  // ... at most this many in FP8 GEMM mode, whose grouped GEMM reads e4m3 tiles unwidened
+    int moe_tiles_fp8gemm = 5;  // ... at most this many in FP8 GEMM mode, whose grouped GEMM reads e4m3 tiles unwidened
     int tc_swap = 1;       // MoE prefill stages with weight rows as the wgmma's M: 0 never, 1 for e4m3 weights and in
                            // fast mode, 2 always
     bool moe_persist = true;  // swapped MoE stages (FP8 GEMM mode's, fast mode's bf16) on the persistent kernel (off: tc_gemm's form, its twin)

@@ -89,6 +89,8 @@ void CudaBackend::mla(const MlaCall& c) {
   const DevLinear wkv_b = dev_linear(w.wkv_b);
   const int64_t H = d.H, C = d.C, V = d.V, nope = d.nope;
   cuda::MlaPrep prep{pos, n, q, kv, w.kv_norm.as<float>(), cs};
+  // (fast mode over a bf16 cache: the attention rounds the absorbed query to bf16 as well)
+  prep.qabs_bf16 = fast_at(n) && cache.bf16;
   mark("mla.prep");
   if (c.impl == AttnImpl::kNaive) {
     float* lat = f32(kLat, size_t(n * C));

@@ -446,6 +446,8 @@ struct MlaPrep {
   float* cache_pe = nullptr;
   float* latent = nullptr;        // naive
   float* cache_k = nullptr;       // naive
+  bool qabs_bf16 = false;         // mla_prep_qabs's tensor-core form on q_nope rounded to bf16 (fast mode: as
+                                  // the reference's bf16 model holds q), one MMA per product instead of three
 };
 void mla_prep(const Launch& L, const MlaDims& d, bool naive, const MlaPrep& p);
 // mla_prep (absorbed) and mla_qabs in one launch. vec: the absorption with 16-byte weight loads

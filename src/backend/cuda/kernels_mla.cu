@@ -27,6 +27,7 @@ struct PrepArgs {
   const float* nw;
   const float* rope;
   float *cache_kv, *cache_pe, *latent, *cache_k;
+  bool qabs_bf16 = false;  // MlaPrep::qabs_bf16
 };
 
 __device__ void prep_token(const PrepArgs& P, int64_t i, float* red) {
@@ -237,13 +238,15 @@ __device__ void qabs_vec_block(const MlaDims& d, const DevLinear& w, const float
 
 // The same product of many tokens (serving steps) on tensor cores: block (head h, 64 latent
 // columns). The head's nope x 64 weights go to shared memory as bf16 (e4m3 widened exactly; its
-// block scale, one per block: mla_prep_qabs checks, multiplies the sums), warp w takes columns
-// [8w, 8w + 8) as the MMA's B for all of nope (ldmatrix), then 16 tokens at a time: q_nope as A
-// in three bf16 parts (hi, mid, lo: float32's 24 bits), three m16n8k16 MMAs per 16 of nope.
+// block scale, one per block: mla_prep_qabs checks, multiplies the sums). The block's work items
+// are (16 tokens, 32 of the columns), warp w takes items w, w + 8, ...: q_nope's rows as the MMA's
+// A, split once per 16 of nope into three bf16 parts (hi, mid, lo: float32's 24 bits; with
+// hi_only, fast mode, the hi part alone: q_nope rounded to bf16 as the reference's bf16 model
+// holds it), the weights as B (ldmatrix), one m16n8k16 MMA per part, 16 of nope and 8 columns.
 constexpr int kQtPitch = 72;  // bf16 per staged weight row: 64 columns + 8 (conflict-free ldmatrix rows)
 template <int WT>
 __device__ void qabs_tc_block(const MlaDims& d, const DevLinear& w, const float* __restrict__ q, int64_t n,
-                              float* __restrict__ qa, int h, int cblk, char* smem) {
+                              float* __restrict__ qa, int h, int cblk, bool hi_only, char* smem) {
   uint16_t* ws = reinterpret_cast<uint16_t*>(smem);  // [nope][kQtPitch]
   const int64_t cb = int64_t(cblk) * 64, r0 = w.row0 + int64_t(h) * (d.nope + d.V), c0 = w.col0 + cb;
   // The weights do not depend on earlier kernels: staged before waiting.
@@ -273,24 +276,16 @@ __device__ void qabs_tc_block(const MlaDims& d, const DevLinear& w, const float*
   const float scale = WT == kFP8 ? w.s[(r0 >> 7) * w.lds + (c0 >> 7)] : 1.f;
   pdl_wait();
   __syncthreads();
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3, nk = d.nope / 16;
-  uint32_t bf[8][2];  // B fragments of the warp's 8 columns, 16 of nope each (nope <= 128)
-#pragma unroll
-  for (int k2 = 0; k2 < 4; ++k2) {
-    if (2 * k2 >= nk) break;
-    uint32_t r[4];
-    ldmatrix_x4_trans(r, smem_addr(ws + (k2 * 32 + lane) * kQtPitch + warp * 8));
-    bf[2 * k2][0] = r[0], bf[2 * k2][1] = r[1], bf[2 * k2 + 1][0] = r[2], bf[2 * k2 + 1][1] = r[3];
-  }
-  const int qk = d.qk();
-  for (int64_t t0 = 0; t0 < n; t0 += 16) {
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3, qk = d.qk();
+  const int64_t items = (n + 15) / 16 * 2;
+  for (int64_t it = warp; it < items; it += blockDim.x / 32) {
+    const int64_t t0 = it / 2 * 16;
+    const int half = int(it % 2);  // columns [32 half, 32 half + 32) of the block's 64
     const bool va = t0 + g < n, vb = t0 + g + 8 < n;
     const float* qa_row = q + ((t0 + g) * d.H + h) * qk + 2 * t;  // tokens t0 + g and t0 + g + 8
     const float* qb_row = qa_row + 8 * int64_t(d.H) * qk;
-    float c[4] = {0.f, 0.f, 0.f, 0.f};
-#pragma unroll
-    for (int kk = 0; kk < 8; ++kk) {
-      if (kk >= nk) break;
+    float c[4][4] = {};  // four n-tiles of 8 columns
+    for (int kk = 0; kk < d.nope / 16; ++kk) {
       const float2 z = make_float2(0.f, 0.f);
       const float2 x0 = va ? *reinterpret_cast<const float2*>(qa_row + 16 * kk) : z;
       const float2 x1 = vb ? *reinterpret_cast<const float2*>(qb_row + 16 * kk) : z;
@@ -302,12 +297,27 @@ __device__ void qabs_tc_block(const MlaDims& d, const DevLinear& w, const float*
       bf16x2_split3(x2.x, x2.y, A[0][2], A[1][2], A[2][2]);
       bf16x2_split3(x3.x, x3.y, A[0][3], A[1][3], A[2][3]);
 #pragma unroll
-      for (int part = 2; part >= 0; --part) mma_bf16(c, A[part], bf[kk][0], bf[kk][1]);
+      for (int p2 = 0; p2 < 2; ++p2) {  // n-tiles 2 p2, 2 p2 + 1: rows kk's 16 of nope, their 16 columns
+        uint32_t r[4];
+        ldmatrix_x4_trans(r, smem_addr(ws + (16 * kk + (lane & 15)) * kQtPitch + 32 * half + 16 * p2 + 8 * (lane >> 4)));
+#pragma unroll
+        for (int part = 2; part >= 0; --part) {
+          if (part > 0 && hi_only) continue;
+          mma_bf16(c[2 * p2], A[part], r[0], r[1]);
+          mma_bf16(c[2 * p2 + 1], A[part], r[2], r[3]);
+        }
+      }
     }
-    const int64_t col = cb + warp * 8 + 2 * t;
-    if (va) *reinterpret_cast<float2*>(qa + ((t0 + g) * d.H + h) * d.C + col) = make_float2(c[0] * scale, c[1] * scale);
-    if (vb)
-      *reinterpret_cast<float2*>(qa + ((t0 + g + 8) * d.H + h) * d.C + col) = make_float2(c[2] * scale, c[3] * scale);
+#pragma unroll
+    for (int nt = 0; nt < 4; ++nt) {
+      const int64_t col = cb + 32 * half + 8 * nt + 2 * t;
+      if (va)
+        *reinterpret_cast<float2*>(qa + ((t0 + g) * d.H + h) * d.C + col) =
+            make_float2(c[nt][0] * scale, c[nt][1] * scale);
+      if (vb)
+        *reinterpret_cast<float2*>(qa + ((t0 + g + 8) * d.H + h) * d.C + col) =
+            make_float2(c[nt][2] * scale, c[nt][3] * scale);
+    }
   }
 }
 
@@ -334,7 +344,8 @@ __global__ void __launch_bounds__(256) prep_qabs_kernel(PrepArgs P, DevLinear w,
     const float* q = P.q + t0 * P.d.H * P.d.qk();
     float* qa_g = qa + t0 * P.d.H * P.d.C;
     if constexpr (TB > 0) qabs_vec_block<WT, TB>(P.d, w, q, m, qa_g, b % P.d.H, b / P.d.H, smem);
-    else if constexpr (TB < 0) qabs_tc_block<WT>(P.d, w, q, m, qa_g, b % P.d.H, b / P.d.H, reinterpret_cast<char*>(smem));
+    else if constexpr (TB < 0)
+      qabs_tc_block<WT>(P.d, w, q, m, qa_g, b % P.d.H, b / P.d.H, P.qabs_bf16, reinterpret_cast<char*>(smem));
     else qabs_block<WT>(P.d, w, q, m, qa_g, b % P.d.H, b / P.d.H, smem);
   } else {
     pdl_wait();
@@ -826,15 +837,16 @@ static bool qabs_tc_ok(const MlaDims& d, const DevLinear& w) {
 void mla_prep_qabs(const Launch& L, const MlaDims& d, const MlaPrep& p, const DevLinear& w, float* qa, bool qabs_vec) {
   DSV3_CHECK(d.R % 2 == 0 && d.nope <= 8 * 16, "MLA shape beyond the fused prep/absorption kernel");
   const int64_t n = p.n;
-  const PrepArgs P{d, false, p.pos, p.q, p.kv, p.kv_norm_w, p.rope, p.cache_kv, p.cache_pe, nullptr, nullptr};
+  const PrepArgs P{d, false, p.pos, p.q, p.kv, p.kv_norm_w, p.rope, p.cache_kv, p.cache_pe, nullptr, nullptr,
+                   p.qabs_bf16};
   const unsigned nq = unsigned(d.H) * cdiv(d.C, 64);
   // The 16-byte form: whole 64-column blocks, 16-byte aligned rows (and 128-row FP8 scale blocks
   // that a 64-column block never straddles: col0 % 64 == 0).
   const bool vec = qabs_vec && d.C % 64 == 0 && w.col0 % 64 == 0 && vec_ok(w);
   const bool tc = vec && n >= kQabsTcMin && qabs_tc_ok(d, w);
-  // Many tokens (serving batches): the absorption's blocks split them in groups of 32 (64 on
+  // Many tokens (serving batches): the absorption's blocks split them in groups of 32 (128 on
   // tensor cores).
-  const int64_t per = tc ? std::min<int64_t>(n, 64) : n > 32 ? 32 : std::max<int64_t>(n, 1);
+  const int64_t per = tc ? std::min<int64_t>(n, 128) : n > 32 ? 32 : std::max<int64_t>(n, 1);
   const dim3 grid(nq * cdiv(n, per) + unsigned(n));
   if (tc) {
     const size_t smem = sizeof(uint16_t) * size_t(d.nope) * kQtPitch;

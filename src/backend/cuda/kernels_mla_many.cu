@@ -38,21 +38,28 @@ __device__ __forceinline__ void ldmatrix_x2(uint32_t (&r)[2], uint32_t addr) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x2.shared.b16 {%0,%1}, [%2];\n" : "=r"(r[0]), "=r"(r[1]) : "r"(addr));
 }
 
-// Cache rows [t0, t0 + tn) of sequence `slot` (bf16 latent | rope key) into dst [32][CRp] by
-// cp.async, zeros past tn; one commit group. Lane l looks up row t0 + l in the block table.
-__device__ __forceinline__ void tc_stage_rows(const MlaDims& d, int32_t slot, int64_t t0, int tn, const DecodeAttn& a,
+// Lane l's cache row of position t0 + l of sequence `slot`, or -1 past te (a tile's rows for
+// tc_stage_rows, looked up a tile ahead so the table's latency hides under a tile's work).
+__device__ __forceinline__ int64_t tile_row(const MlaDims& d, int32_t slot, int64_t t0, int64_t te) {
+  const int64_t t = t0 + (threadIdx.x & 31);
+  return t < te ? d.row(slot, t) : -1;
+}
+
+// A tile's 32 cache rows (bf16 latent | rope key) into dst [32][CRp] by cp.async, zeros for rows
+// past the sequence's (row -1); one commit group. Lane l of every warp holds row l (tile_row); warp
+// w copies rows w, w + 4, ..., each row's 16-byte pieces across its lanes.
+__device__ __forceinline__ void tc_stage_rows(const MlaDims& d, int64_t mine, const DecodeAttn& a,
                                               __nv_bfloat16* dst, int CRp) {
-  const int C8 = d.C / 8, R8 = d.R / 8, CR8 = C8 + R8, lane = threadIdx.x & 31;
+  const int C8 = d.C / 8, R8 = d.R / 8, CR8 = C8 + R8, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const uint4* kv = reinterpret_cast<const uint4*>(a.cache_kv);
   const uint4* pe = reinterpret_cast<const uint4*>(a.cache_pe);
-  const int64_t mine = lane < tn ? d.row(slot, t0 + lane) : 0;
-  const int total = kManyTcRows * CR8;
-  for (int base = 0; base < total; base += kWarps * 32) {  // (warp-uniform trips: the shuffle)
-    const int e = base + int(threadIdx.x), r = e / CR8, k8 = e % CR8;
-    const int64_t row = __shfl_sync(0xffffffffu, mine, min(r, kManyTcRows - 1));
-    if (e < total) {
-      const uint4* src = k8 < C8 ? kv + row * C8 + k8 : pe + row * R8 + (k8 - C8);
-      cp_async16(smem_addr(dst + r * CRp + 8 * k8), src, r < tn);
+#pragma unroll
+  for (int k = 0; k < kManyTcRows / kWarps; ++k) {
+    const int r = warp + kWarps * k;
+    const int64_t row = __shfl_sync(0xffffffffu, mine, r), rr = row < 0 ? 0 : row;
+    for (int u = lane; u < CR8; u += 32) {
+      const uint4* src = u < C8 ? kv + rr * C8 + u : pe + rr * R8 + (u - C8);
+      cp_async16(smem_addr(dst + r * CRp + 8 * u), src, row >= 0);
     }
   }
   cp_async_commit();
@@ -78,7 +85,8 @@ __global__ void __launch_bounds__(kWarps * 32, 2) many_tc_kernel(MlaDims d, cons
                 te = min(len, ts + ck);
   if (ts >= len) return;  // (the reduction skips this split)
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
-  tc_stage_rows(d, p.slot, ts, int(min(int64_t(kManyTcRows), te - ts)), a, sb + S.rows(0), S.CRp);
+  tc_stage_rows(d, tile_row(d, p.slot, ts, te), a, sb + S.rows(0), S.CRp);
+  int64_t next = tile_row(d, p.slot, ts + kManyTcRows, te);  // the next tile's rows
   for (int e = tid; e < kHeads * CR; e += kWarps * 32) {
     const int h = e / CR, j = e % CR;
     const int64_t ih = i * d.H + h0 + h;
@@ -99,34 +107,52 @@ __global__ void __launch_bounds__(kWarps * 32, 2) many_tc_kernel(MlaDims d, cons
   for (int64_t t0 = ts; t0 < te; t0 += kManyTcRows, buf ^= 1) {
     const int tn = int(min(int64_t(kManyTcRows), te - t0));
     if (t0 + kManyTcRows < te) {  // the next tile into the other buffer (free since the last barrier)
-      tc_stage_rows(d, p.slot, t0 + kManyTcRows, int(min(int64_t(kManyTcRows), te - t0 - kManyTcRows)), a,
-                    sb + S.rows(buf ^ 1), S.CRp);
+      tc_stage_rows(d, next, a, sb + S.rows(buf ^ 1), S.CRp);
+      next = tile_row(d, p.slot, t0 + 2 * kManyTcRows, te);
       cp_async_wait<1>();
     } else {
       cp_async_wait<0>();
     }
     __syncthreads();
     const __nv_bfloat16* ks = sb + S.rows(buf);
-    // Scores of rows 8 warp .. 8 warp + 7: c[0..1] head g, c[2..3] head g + 8, rows 2 q4, 2 q4 + 1.
+    // Scores of rows 8 warp .. 8 warp + 7: c[0..1] head g, c[2..3] head g + 8, rows 2 q4, 2 q4 + 1;
+    // four accumulators in turn (four short chains of dependent MMAs, not one long one), summed.
     float c[4] = {0.f, 0.f, 0.f, 0.f};
     {
+      float c1[4] = {0.f, 0.f, 0.f, 0.f}, c2[4] = {0.f, 0.f, 0.f, 0.f}, c3[4] = {0.f, 0.f, 0.f, 0.f};
       const uint32_t qa_addr = smem_addr(qs + a_row * S.CRp + a_col);
       const uint32_t kb_addr = smem_addr(ks + (8 * warp + b_row) * S.CRp + b_col);
       int k0 = 0;
-      for (; k0 + 32 <= CR; k0 += 32) {
+      for (; k0 + 64 <= CR; k0 += 64) {
+        uint32_t b[4], b2[4], a0[4], a1[4], a2[4], a3[4];
+        ldmatrix_x4(b, kb_addr + 2 * k0);
+        ldmatrix_x4(b2, kb_addr + 2 * (k0 + 32));
+        ldmatrix_x4(a0, qa_addr + 2 * k0);
+        ldmatrix_x4(a1, qa_addr + 2 * (k0 + 16));
+        ldmatrix_x4(a2, qa_addr + 2 * (k0 + 32));
+        ldmatrix_x4(a3, qa_addr + 2 * (k0 + 48));
+        mma_bf16(c, a0, b[0], b[1]);
+        mma_bf16(c1, a1, b[2], b[3]);
+        mma_bf16(c2, a2, b2[0], b2[1]);
+        mma_bf16(c3, a3, b2[2], b2[3]);
+      }
+      if (k0 + 32 <= CR) {
         uint32_t b[4], a0[4], a1[4];
         ldmatrix_x4(b, kb_addr + 2 * k0);
         ldmatrix_x4(a0, qa_addr + 2 * k0);
         ldmatrix_x4(a1, qa_addr + 2 * (k0 + 16));
         mma_bf16(c, a0, b[0], b[1]);
-        mma_bf16(c, a1, b[2], b[3]);
+        mma_bf16(c1, a1, b[2], b[3]);
+        k0 += 32;
       }
       if (k0 < CR) {  // a last 16 columns (C + R an odd multiple of 16)
         uint32_t b[2], a0[4];
         ldmatrix_x2(b, kb_addr + 2 * k0);
         ldmatrix_x4(a0, qa_addr + 2 * k0);
-        mma_bf16(c, a0, b[0], b[1]);
+        mma_bf16(c2, a0, b[0], b[1]);
       }
+#pragma unroll
+      for (int e = 0; e < 4; ++e) c[e] = (c[e] + c1[e]) + (c2[e] + c3[e]);
     }
     const int r0 = 8 * warp + 2 * q4;
 #pragma unroll
