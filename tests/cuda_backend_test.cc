@@ -694,6 +694,47 @@ TEST(CudaOps, RouterMatchesGate) {
   }
 }
 
+// The gate's float32 FMA logits (gate_logits: steps whose experts take x in pair order) against
+// float64 on the host: bf16 and float32 gates, the 16B shape's 64 x 2048 and a 160-expert gate
+// (two passes of a warp's experts) over 520 columns (the last 16-byte pieces of a row: not a whole
+// 256-column round), token counts that leave a block's last tokens empty.
+TEST(CudaOps, GateLogitsMatchFloat64) {
+  REQUIRE_GPU();
+  auto cuda = make_cuda_backend(opts());
+  struct Shape {
+    int64_t E, D;
+  };
+  for (DType t : {DType::BF16, DType::F32})
+    for (Shape sh : {Shape{64, 2048}, Shape{160, 520}}) {
+      HostLinear h = make_linear(t, sh.E, sh.D, 81);
+      const Linear dl = to_device(*cuda, h.lin);
+      const DevLinear w = dev_linear_of(dl, sh.E, sh.D);
+      ASSERT_TRUE(cuda::gate_logits_ok(w));
+      for (int64_t n : {9, 66, 257}) {
+        const std::vector<float> x = randn(size_t(n * sh.D), uint32_t(82 + n));
+        Dev dx(*cuda, x), out(*cuda, std::vector<float>(size_t(n * sh.E), std::nanf("")));
+        cuda::Launch L;
+        cuda::gate_logits(L, w, dx.p, n, out.p);
+        ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+        const std::vector<float> got = out.get();
+        const std::string what = str(dtype_name(t), " ", sh.E, " x ", sh.D, ", ", n, " tokens");
+        double worst = 0;
+        for (int64_t i = 0; i < n; ++i)
+          for (int64_t e = 0; e < sh.E; ++e) {
+            double v = 0, mag = 0;
+            for (int64_t k = 0; k < sh.D; ++k) {
+              const double p = double(x[size_t(i * sh.D + k)]) * host_w(h, t, sh.D, e, k);
+              v += p, mag += std::fabs(p);
+            }
+            const double g = got[size_t(i * sh.E + e)];
+            ASSERT_TRUE(std::isfinite(g)) << what << ": unwritten at token " << i << ", expert " << e;
+            worst = std::max(worst, std::fabs(g - v) / mag);
+          }
+        EXPECT_LE(worst, 2e-6) << what;  // (float32 sums: about 1e-7 of the products' magnitudes)
+      }
+    }
+}
+
 TEST(CudaOps, MlpAndMoeMatchRef) {
   REQUIRE_GPU();
   auto ref = make_ref_backend();

@@ -63,6 +63,12 @@ void CudaBackend::moe_op(const ModelArgs& a, const MoEWeights& w, const float* x
                      cuda::tcv_moe_tiles(L_, T.wtype, a.dim, T.rows13);
   const bool tc = !tiles && T.tc && (use_tc(n) || long_d == 1 || long_i != 0);
   const bool swap = tc && moe_swap(T, n);
+  // FP8 GEMM mode: x quantised for stage 0, whose SwiGLU output (float32) is quantised for stage 1.
+  const bool f8 = tc && fp8_moe(T, n, a.dim);
+  // (Swapped operands in FP8 GEMM mode, or over bf16 experts in fast mode: the persistent kernel,
+  // tc_gemm's form its twin; its tokens quantised or split in pair order, so that TMA loads them)
+  const bool bf_fast = T.wtype == cuda::kBF16 && fast_at(n) && n * K >= int64_t(opt_.tune.moe_persist_bf16_min) * E;
+  const bool persist = tc && (f8 || bf_fast) && swap && opt_.tune.moe_persist && T.tmaps;
   if (tc) s.tile_rows = swap ? 128 : tile_m(T.wtype);
   if (tiles) s.tile_rows = 8;
   const cuda::RouteArgs r = route_args(a);
@@ -79,6 +85,12 @@ void CudaBackend::moe_op(const ModelArgs& a, const MoEWeights& w, const float* x
     const bool rie = opt_.tune.route_in_experts && gemvs && n == 1 && E <= 256 && !T.partial;
     cuda::gate_route(L_, gate, r, s, {x, n, logits, bias, counter_, !rie, norm});
     if (rie) s.route_logits = logits, s.route_bias = bias, s.route = r;
+  } else if (persist && cuda::gate_logits_ok(gate) && gate.cols == D) {
+    // The experts take x in pair order (quantised or split there): the gate's own float32 FMAs,
+    // not a split of x for it alone and a split-K product.
+    cuda::gate_logits(L_, gate, x, n, logits);
+    mark("moe.route");
+    cuda::moe_route(L_, r, logits, bias, s, nullptr, nullptr);
   } else if (tc && tc_takes(gate) && gate.cols == D) {
     // x split once (hi + lo) for the gate (exact) and the experts' first stage (hi only when fast).
     xs = split_input(x, n, D, /*fast=*/false);
@@ -93,12 +105,6 @@ void CudaBackend::moe_op(const ModelArgs& a, const MoEWeights& w, const float* x
   mark("moe.experts");
   float* o = f32(kMoeO, size_t(P * D));
   if (tc) {
-    // FP8 GEMM mode: x quantised for stage 0, whose SwiGLU output (float32) is quantised for stage 1.
-    const bool f8 = fp8_moe(T, n, D);
-    // (Swapped operands in FP8 GEMM mode, or over bf16 experts in fast mode: the persistent kernel,
-    // tc_gemm's form its twin; its tokens quantised or split in pair order, so that TMA loads them)
-    const bool bf_fast = T.wtype == cuda::kBF16 && fast_at(n) && n * K >= int64_t(opt_.tune.moe_persist_bf16_min) * E;
-    const bool persist = (f8 || bf_fast) && swap && opt_.tune.moe_persist && T.tmaps;
     cuda::TcJob j0 = persist && f8 ? quant_input(x, P, D, false, s.perm)
                      : persist     ? split_input(x, P, D, /*fast=*/true, s.perm)
                      : f8          ? quant_input(x, n, D)

@@ -313,6 +313,10 @@ struct MoeSched {
   DSV3_HD int64_t max_tiles() const { return (P() + tile_rows - 1) / tile_rows + NE(); }
   DSV3_HD int64_t max_slots() const { return n * K + S < NE() ? n * K + S : NE(); }  // of an expert GEMV launch
 };
+// The gate's logits [n, E] = x [n, D] · gateᵀ in float32 FMAs (many tokens whose x the experts
+// take in another form: no split of x for the gate alone); gate bf16 or float32 (gate_logits_ok).
+bool gate_logits_ok(const DevLinear& gate);
+void gate_logits(const Launch& L, const DevLinear& gate, const float* x, int64_t n, float* logits);
 // logits [n, E]; bias [E] or null. Fills `s`; topk_idx/topk_w [n, K] when given (tests).
 void moe_route(const Launch& L, const RouteArgs& r, const float* logits, const float* bias, const MoeSched& s,
                int32_t* topk_idx, float* topk_w);

@@ -39,6 +39,72 @@ __global__ void __launch_bounds__(1024) group_kernel(MoeSched s) {
   group_pairs(s, true);
 }
 
+// The gate's logits of many tokens in float32 FMAs, the routing's float32-grade input:
+// logits[i, e] = x[i, :] · W[e, :], W bf16 or float32 [E, D]. A block takes kGateTok tokens and
+// every expert; warp w takes experts w, w + 8, ... eight at a time, lane l columns 8 l + 256 j
+// (16-byte weight loads; the tokens' rows from L1, shared by the warps), then a butterfly over
+// the warp leaves lane l the sum of its (expert l / 4, token l % 4).
+constexpr int kGateTok = 4;
+template <int WT>
+__global__ void __launch_bounds__(256) gate_logits_kernel(DevLinear w, const float* __restrict__ x, int64_t n,
+                                                          float* __restrict__ logits) {
+  pdl_wait();
+  pdl_trigger();
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int64_t i0 = int64_t(blockIdx.x) * kGateTok, D = w.cols, E = w.rows;
+  for (int64_t e0 = warp; e0 < E; e0 += 64) {  // experts e0 + 8 m, m < 8
+    float v[32];  // v[4 m + t]: expert e0 + 8 m, token i0 + t
+#pragma unroll
+    for (int c = 0; c < 32; ++c) v[c] = 0.f;
+    for (int64_t k = 8 * lane; k + 8 <= D; k += 256) {
+      float xs[kGateTok][8];
+#pragma unroll
+      for (int t = 0; t < kGateTok; ++t) {
+        const bool ok = i0 + t < n;
+        const float4* xp = reinterpret_cast<const float4*>(x + (ok ? i0 + t : 0) * D + k);
+        const float4 a = ok ? xp[0] : make_float4(0.f, 0.f, 0.f, 0.f), b = ok ? xp[1] : make_float4(0.f, 0.f, 0.f, 0.f);
+        xs[t][0] = a.x, xs[t][1] = a.y, xs[t][2] = a.z, xs[t][3] = a.w;
+        xs[t][4] = b.x, xs[t][5] = b.y, xs[t][6] = b.z, xs[t][7] = b.w;
+      }
+#pragma unroll
+      for (int m = 0; m < 8; ++m) {
+        const int64_t e = e0 + 8 * m;
+        if (e >= E) break;
+        float wv[8];
+        if constexpr (WT == kBF16) {
+          const uint4 q = *reinterpret_cast<const uint4*>(static_cast<const uint16_t*>(w.w) + (w.row0 + e) * w.ld +
+                                                          w.col0 + k);
+          const uint32_t qw[4] = {q.x, q.y, q.z, q.w};
+#pragma unroll
+          for (int c = 0; c < 4; ++c) wv[2 * c] = bf16_bits(qw[c] & 0xffffu), wv[2 * c + 1] = bf16_bits(qw[c] >> 16);
+        } else {
+          const float4* wp = reinterpret_cast<const float4*>(static_cast<const float*>(w.w) + (w.row0 + e) * w.ld +
+                                                             w.col0 + k);
+          const float4 a = wp[0], b = wp[1];
+          wv[0] = a.x, wv[1] = a.y, wv[2] = a.z, wv[3] = a.w, wv[4] = b.x, wv[5] = b.y, wv[6] = b.z, wv[7] = b.w;
+        }
+#pragma unroll
+        for (int t = 0; t < kGateTok; ++t)
+#pragma unroll
+          for (int c = 0; c < 8; ++c) v[4 * m + t] = fmaf(xs[t][c], wv[c], v[4 * m + t]);
+      }
+    }
+    // Butterfly: after the step of offset 16 >> s, lane l holds in v[0, 16 >> s) the partial sums of
+    // the values whose index agrees with l in the bits above; at the end v[0] is value l's sum.
+#pragma unroll
+    for (int half = 16; half >= 1; half >>= 1) {
+      const bool up = lane & half;
+#pragma unroll
+      for (int c = 0; c < half; ++c) {
+        const float send = up ? v[c] : v[c + half], keep = up ? v[c + half] : v[c];
+        v[c] = keep + __shfl_xor_sync(0xffffffffu, send, half);
+      }
+    }
+    const int64_t e = e0 + 8 * (lane >> 2), i = i0 + (lane & 3);
+    if (e < E && i < n) logits[i * E + e] = v[0];
+  }
+}
+
 __global__ void combine_kernel(MoeSched s, const float* __restrict__ o, int64_t d, float* __restrict__ y) {
   __shared__ int64_t po[kMaxK + 16];
   __shared__ float pw[kMaxK + 16];
@@ -168,6 +234,17 @@ void moe_route(const Launch& L, const RouteArgs& r, const float* logits, const f
            topk_idx, topk_w);
     launch(L, group_kernel, dim3(1), dim3(1024), 0, s);
   }
+}
+
+bool gate_logits_ok(const DevLinear& gate) {
+  return (gate.t == kBF16 || gate.t == kF32) && vec_ok(gate) && gate.cols % 8 == 0;
+}
+
+void gate_logits(const Launch& L, const DevLinear& gate, const float* x, int64_t n, float* logits) {
+  DSV3_CHECK(gate_logits_ok(gate) && n > 0, "gate_logits: bf16 or float32 gate rows of whole 16-byte pieces");
+  const dim3 grid(unsigned((n + kGateTok - 1) / kGateTok));
+  if (gate.t == kBF16) launch(L, gate_logits_kernel<kBF16>, grid, dim3(256), 0, gate, x, n, logits);
+  else launch(L, gate_logits_kernel<kF32>, grid, dim3(256), 0, gate, x, n, logits);
 }
 
 void moe_combine(const Launch& L, const MoeSched& s, const float* o, int64_t d, float* y) {
