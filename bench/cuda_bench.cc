@@ -289,6 +289,11 @@ int main(int argc, char** argv) {
         o.tune.mla_group_rows = 1;
         vars.push_back({"mla-group-1", o, false, true});
       }
+      if (asked("gate-tc")) {  // the gate of many tokens as a split-K tensor-core product, not gate_logits' FMAs
+        CudaOptions o = base;
+        o.tune.gate_fma = false;
+        vars.push_back({"gate-tc", o, true, false});
+      }
       if (asked("gate-route")) {  // one token routed by the gate kernel's last block, not the experts'
         CudaOptions o = base;
         o.tune.route_in_experts = false;

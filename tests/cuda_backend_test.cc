@@ -414,8 +414,12 @@ TEST(CudaOps, LinearPairMatchesRef) {
         m.linear(vx, d2, v2);
         const std::string fused = m.run(*cuda, rw);
         const std::string what = str(dtype_name(t), " n ", n, rw ? " fused" : " unfused");
-        if (rw && t != DType::F32) EXPECT_EQ(fused, "linear_pair;") << what;
-        if (!rw) EXPECT_EQ(fused, "") << what;
+        if (rw && t != DType::F32) {
+          EXPECT_EQ(fused, "linear_pair;") << what;
+        }
+        if (!rw) {
+          EXPECT_EQ(fused, "") << what;
+        }
         EXPECT_LE(rel_l2(y1.get().data(), w1.data(), w1.size()), 2e-6) << what << " first";
         EXPECT_LE(rel_l2(y2.get().data(), w2.data(), w2.size()), 2e-6) << what << " second";
       }

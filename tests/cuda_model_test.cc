@@ -270,8 +270,9 @@ TEST(CudaFp8GemmMode, WarnsWhereItHasNoEffect) {
   EXPECT_NE(load_stderr("v2lite_bf16").find("DSV3_CUDA_FP8_GEMM has no effect: the checkpoint has no FP8 weights"),
             std::string::npos);
   cudaDeviceProp prop{};
-  if (cudaGetDeviceProperties(&prop, 0) == cudaSuccess && prop.major == 9)
+  if (cudaGetDeviceProperties(&prop, 0) == cudaSuccess && prop.major == 9) {
     EXPECT_EQ(load_stderr("v3_fp8").find("DSV3_CUDA_FP8_GEMM"), std::string::npos);
+  }
 }
 
 }  // namespace

@@ -45,6 +45,8 @@ struct CudaOptions {
                                  // one wkv_b product (a run longer than this: alone)
     bool wgmma = true;     // the pipelined kernel's sm_90a wgmma form (off: mma.sync, as on other GPUs)
     bool route_in_experts = true;  // one token: its expert GEMVs' blocks route it (off: the gate kernel does)
+    bool gate_fma = true;  // the gate of many tokens whose experts take x in pair order in float32 FMAs (gate_logits;
+                           // off: x split for the gate's tensor-core product)
   } tune;
   bool profile = false;  // benchmarks: time every node with events, graphs off (profile_report)
   size_t upload_chunk = size_t(64) << 20;  // bytes per pinned staging buffer of the weight upload (two)

@@ -89,7 +89,8 @@ void CudaBackend::mla(const MlaCall& c) {
   const DevLinear wkv_b = dev_linear(w.wkv_b);
   const int64_t H = d.H, C = d.C, V = d.V, nope = d.nope;
   cuda::MlaPrep prep{pos, n, q, kv, w.kv_norm.as<float>(), cs};
-  // (fast mode over a bf16 cache: the attention rounds the absorbed query to bf16 as well)
+  // (fast mode over a bf16 cache: the attention rounds the absorbed query to bf16 as well, and
+  // mla_absorbed rounds the attention's output for the value absorption)
   prep.qabs_bf16 = fast_at(n) && cache.bf16;
   mark("mla.prep");
   if (c.impl == AttnImpl::kNaive) {
@@ -179,9 +180,11 @@ void CudaBackend::mla_absorbed(const MlaCall& c, const cuda::MlaDims& d, const c
     return;
   }
   if (use_tc(n) && tc_takes(wv)) {
+    // (fast mode over a bf16 cache: ol rounded to bf16, one pass, as the reference's bf16 model
+    // holds the attention's output; else hi + lo, float32-grade)
     cuda::TcJob j;
     j.a_hi = scratch(kHi2, size_t(n * H * C) * 2);
-    j.a_lo = scratch(kLo2, size_t(n * H * C) * 2);
+    j.a_lo = prep.qabs_bf16 ? nullptr : scratch(kLo2, size_t(n * H * C) * 2);
     cuda::split_rows(L_, ol, n * H, C, C, const_cast<void*>(j.a_hi), const_cast<void*>(j.a_lo));
     j.lda = H * C, j.w = wv, j.M = n, j.c = out, j.ldc = H * V, j.shift = sh;
     set_form(j, C % 64 == 0, wv.t);

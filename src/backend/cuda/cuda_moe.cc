@@ -85,7 +85,7 @@ void CudaBackend::moe_op(const ModelArgs& a, const MoEWeights& w, const float* x
     const bool rie = opt_.tune.route_in_experts && gemvs && n == 1 && E <= 256 && !T.partial;
     cuda::gate_route(L_, gate, r, s, {x, n, logits, bias, counter_, !rie, norm});
     if (rie) s.route_logits = logits, s.route_bias = bias, s.route = r;
-  } else if (persist && cuda::gate_logits_ok(gate) && gate.cols == D) {
+  } else if (persist && opt_.tune.gate_fma && cuda::gate_logits_ok(gate) && gate.cols == D) {
     // The experts take x in pair order (quantised or split there): the gate's own float32 FMAs,
     // not a split of x for it alone and a split-K product.
     cuda::gate_logits(L_, gate, x, n, logits);
