@@ -294,6 +294,11 @@ int main(int argc, char** argv) {
         o.tune.gate_fma = false;
         vars.push_back({"gate-tc", o, true, false});
       }
+      if (asked("quant-sep")) {  // FP8 GEMM mode's stage 0 writing float32, act_quant after it (not quantising itself)
+        CudaOptions o = base;
+        o.tune.moe_quant_fused = false;
+        vars.push_back({"quant-sep", o, true, true});
+      }
       if (asked("gate-route")) {  // one token routed by the gate kernel's last block, not the experts'
         CudaOptions o = base;
         o.tune.route_in_experts = false;

@@ -585,7 +585,8 @@ TEST(CudaOps, Fp8GemmModeMatchesHostFp8Path) {
 }
 
 // The persistent MoE kernel (kernels_moe_persist.cu) against its twins, tc_gemm's swapped forms:
-// FP8 GEMM mode's e4m3 experts and fast mode's bf16 experts. The same MMAs, scales and float32 sums
+// FP8 GEMM mode's e4m3 experts (stage 0 quantising its own output for stage 1, and writing float32
+// for act_quant) and fast mode's bf16 experts. The same MMAs, scales and float32 sums
 // in the same order, so the layers agree to the last bit (measured: 0). The golden shapes (K of 2
 // and 1 e4m3 blocks, 4 and 2 bf16 blocks) at 2,000 tokens give blocks several (token tile, weight
 // tile) pairs; the 16B shape's experts (K 2048 and 1408) run the ring of stages many times over
@@ -597,9 +598,9 @@ TEST(CudaOps, PersistentMoeMatchesTwin) {
     o.fp8_gemm = !bf, o.tune.moe_tiles = 0, o.tune.moe_persist_bf16_min = 0;
     const char* dtype = bf ? "bf16" : "fp8";
     int64_t ran = 0;  // stages the last run put on the persistent kernel
-    auto run = [&](bool persist, const ModelArgs* shape, const std::vector<int64_t>& ns) {
+    auto run = [&](bool persist, const ModelArgs* shape, const std::vector<int64_t>& ns, bool fused = true) {
       CudaOptions oo = o;
-      oo.tune.moe_persist = persist;
+      oo.tune.moe_persist = persist, oo.tune.moe_quant_fused = fused;
       auto cuda = make_cuda_backend(oo);
       std::vector<std::vector<float>> out;
       auto layer = [&](const ModelArgs& a, const MoEWeights& mw) {
@@ -633,11 +634,15 @@ TEST(CudaOps, PersistentMoeMatchesTwin) {
       // (every size ran both stages on it)
       EXPECT_EQ(ran, int64_t(2 * ns.size())) << dtype << (shape ? " 16B" : " golden");
       const auto want = run(false, shape, ns);
+      // (e4m3: stage 0 quantising its own output, as above, and writing float32 for act_quant)
+      const auto sep = bf ? got : run(true, shape, ns, /*fused=*/false);
       for (size_t i = 0; i < ns.size(); ++i) {
-        const double err = rel_l2(got[i].data(), want[i].data(), want[i].size());
-        std::printf("persistent %s moe %s n=%lld: rel %.3g against the twin\n", dtype, shape ? "16B" : "golden",
-                    (long long)ns[i], err);
+        const double err = rel_l2(got[i].data(), want[i].data(), want[i].size()),
+                     err_sep = rel_l2(sep[i].data(), want[i].data(), want[i].size());
+        std::printf("persistent %s moe %s n=%lld: rel %.3g against the twin (%.3g with act_quant after stage 0)\n",
+                    dtype, shape ? "16B" : "golden", (long long)ns[i], err, err_sep);
         EXPECT_LE(err, 1e-6) << dtype << " " << (shape ? "16B" : "golden") << " n=" << ns[i];
+        EXPECT_LE(err_sep, 1e-6) << dtype << " " << (shape ? "16B" : "golden") << " n=" << ns[i] << " act_quant after";
       }
     }
   }

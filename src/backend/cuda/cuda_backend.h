@@ -39,6 +39,8 @@ struct CudaOptions {
     int tc_swap = 1;       // MoE prefill stages with weight rows as the wgmma's M: 0 never, 1 for e4m3 weights and in
                            // fast mode, 2 always
     bool moe_persist = true;  // swapped MoE stages (FP8 GEMM mode's, fast mode's bf16) on the persistent kernel (off: tc_gemm's form, its twin)
+    bool moe_quant_fused = true;  // ... FP8 GEMM mode's stage 0 quantising its output for stage 1 in its epilogue
+                                  // (off: float32 out, then act_quant)
     int moe_persist_bf16_min = 256;  // ... for bf16 experts only when the routed pairs average at least this many per
                                      // expert (fewer: tc_gemm's form streams them faster; 0: always)
     int mla_group_rows = 16384;  // prefill runs of one step whose prefixes add up to at most this many rows share

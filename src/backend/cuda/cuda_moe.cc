@@ -117,16 +117,25 @@ void CudaBackend::moe_op(const ModelArgs& a, const MoEWeights& w, const float* x
     j0.grouped = true, j0.experts = T.dev, j0.a_idx = persist ? nullptr : s.perm, j0.tmaps = T.tmaps;
     j0.cnt = s.cnt, j0.off = s.off, j0.tile_e = s.tile_e, j0.tile_m0 = s.tile_m0, j0.n_tiles = s.n_tiles;
     cuda::TcJob j1 = j0;
-    j0.stage = 0, j0.swiglu = true, j0.o_f32 = f8;
-    j0.o_hi = scratch(kHi2, size_t(P * T.rows13) * (f8 ? 4 : 2));
+    // (FP8 GEMM mode on the persistent kernel: stage 0 quantises its output for stage 1 itself)
+    const bool fused_q = f8 && persist && opt_.tune.moe_quant_fused;
+    j0.stage = 0, j0.swiglu = true, j0.o_f32 = f8 && !fused_q;
+    j0.o_hi = fused_q ? nullptr : scratch(kHi2, size_t(P * T.rows13) * (f8 ? 4 : 2));
     j0.o_lo = fast_at(n) || f8 ? nullptr : scratch(kLo2, size_t(P * T.rows13) * 2);
     j0.ldo = T.rows13;
+    if (fused_q) {
+      j0.o_q = static_cast<uint8_t*>(scratch(kQ2, size_t(P * T.rows13)));
+      j0.o_qs = f32(kQs2, size_t(P * T.rows13 / 128));
+      j0.ue8m0 = ue8m0_;
+    }
     auto gemm = [&](const cuda::TcJob& j, int64_t rows) {
       if (persist) cuda::moe_persist_gemm(L_, j, s.max_tiles(), rows), ++persist_stages_;
       else cuda::tc_gemm(L_, j, s.max_tiles(), rows);
     };
     gemm(j0, T.rows13);
-    if (f8) {
+    if (fused_q) {
+      j1.a_hi = j0.o_q, j1.a_s = j0.o_qs, j1.ldas = T.rows13 / 128;
+    } else if (f8) {
       const cuda::TcJob q = quant_input(static_cast<const float*>(j0.o_hi), P, T.rows13, /*second=*/true);
       j1.a_hi = q.a_hi, j1.a_s = q.a_s, j1.ldas = q.ldas;
     } else {

@@ -229,6 +229,11 @@ struct TcJob {
   void* o_lo = nullptr;
   int64_t ldo = 0;
   bool o_f32 = false;  // SwiGLU output as float32 in o_hi (for act_quant) instead of bf16 hi + lo
+  // moe_persist_gemm's e4m3 stage 0: the SwiGLU output quantised as act_quant would (TcJob::ue8m0
+  // scales or not) into o_q [M, ldo] and o_qs [M, ldo / 128], instead of float32 in o_hi
+  uint8_t* o_q = nullptr;
+  float* o_qs = nullptr;
+  bool ue8m0 = false;
   GemvShift shift;
   // grouped: the router's schedule (copied by value; pointers into device memory)
   const int32_t* cnt = nullptr;

@@ -44,7 +44,10 @@ constexpr int kConsumers = 256, kProducers = 128, kThreads = kConsumers + kProdu
 // its share to the consumers, whose 128-token tiles hold 64 accumulator and 64 partial-sum floats.
 constexpr int kProducerRegs = 40, kConsumerRegs = 232;
 static_assert(kProducers * kProducerRegs + kConsumers * kConsumerRegs <= 65536, "the register file");
-constexpr size_t kSmem = size_t(kStages) * kStageB + 2 * kStages * 8 + 1024;  // + the barriers, alignment
+// After the ring's barriers: the two barriers of the quantised output's exchange (quant_out), then
+// its floats: the warps' maxima [8][kToks], this block's [kToks], the other block's [kToks].
+constexpr int kXchgFloats = 10 * kToks;
+constexpr size_t kSmem = size_t(kStages) * kStageB + 2 * kStages * 8 + 16 + kXchgFloats * 4 + 1024;  // + alignment
 
 // This warpgroup's registers per thread, lowered or raised (every thread of the warpgroup runs it).
 template <int N>
@@ -137,6 +140,37 @@ __device__ __forceinline__ void mbar_wait(uint32_t bar, unsigned parity) {
       "r"(parity)
       : "memory");
 }
+// The same with cluster-scope acquire: the other block's writes into this one, released by its
+// arrivals, are seen after it.
+__device__ __forceinline__ void mbar_wait_cluster(uint32_t bar, unsigned parity) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile(
+      "{\n.reg .pred p;\nWAITC_%=:\n"
+      "mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 p, [%0], %1;\n"
+      "@!p bra WAITC_%=;\n}\n" ::"r"(bar),
+      "r"(parity)
+      : "memory");
+#endif
+}
+// One arrival on the barrier at bar's offset in block `rank`, releasing this thread's earlier
+// writes at cluster scope (the quantised output's exchange: its stores into that block).
+__device__ __forceinline__ void mbar_arrive_release_in(uint32_t bar, uint32_t rank) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  uint32_t remote;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(remote) : "r"(bar), "r"(rank));
+  asm volatile("mbarrier.arrive.release.cluster.shared::cluster.b64 _, [%0];\n" ::"r"(remote) : "memory");
+#endif
+}
+// v into the float at `addr`'s offset of block `rank`'s shared memory.
+__device__ __forceinline__ void st_cluster(uint32_t addr, uint32_t rank, float v) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  uint32_t remote;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(remote) : "r"(addr), "r"(rank));
+  asm volatile("st.shared::cluster.f32 [%0], %1;\n" ::"r"(remote), "f"(v) : "memory");
+#endif
+}
+// The two consumer warpgroups (named barrier 1; the producers never wait on it).
+__device__ __forceinline__ void consumers_sync() { asm volatile("bar.sync 1, %0;\n" ::"n"(kConsumers) : "memory"); }
 
 
 // One (token tile, weight tile) pair of the launch, as both roles see it: unit w's token tile and
@@ -302,9 +336,73 @@ __device__ __forceinline__ void k_loop_bf16(const Work& p, int& it, uint8_t* sme
   }
 }
 
+// Stage 0's SwiGLU outputs quantised for stage 1 as act_quant quantises them (TcJob::o_q). A
+// unit's two blocks hold the 128 columns of one scale block, 64 each, so each block takes its
+// tokens' absolute maxima over its columns (the warp's 8 by shuffles, the 8 warps' through `part`)
+// and the blocks swap them through distributed shared memory: a block's first 128 consumer threads
+// store its maxima into the other's `peer` and arrive on the other's `full` (cluster-scope
+// release); once a block has read `peer` it arrives on the other's `empty`, which the other waits
+// on before its next stores. The scale is act_quant's: max(amax, 1e-4) / 448 (a power of two
+// with ue8m0), each value divided by it and converted with saturation.
+struct Xchg {
+  float *part, *mine, *peer;  // [8][kToks], [kToks], [kToks] (this block's shared memory)
+  uint32_t full, empty;       // this block's barriers: `peer` written by the other block; our maxima read by it
+  int k = 0;                  // the units this block has quantised (the barriers' phases)
+};
+
+template <int NT>
+__device__ void quant_out(const TcJob& j, const Work& p, const float (&d)[NT / 2], Xchg& x) {
+  constexpr int NV = NT / 8;  // accumulator groups: tokens 8 jn + 2 t + c
+  const int tid = int(threadIdx.x), warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
+  const uint32_t other = cluster_rank() ^ 1u;
+  float v[NV][2];
+#pragma unroll
+  for (int jn = 0; jn < NV; ++jn)
+#pragma unroll
+    for (int c = 0; c < 2; ++c) {
+      v[jn][c] = silu(d[4 * jn + c]) * d[4 * jn + 2 + c];  // column n0 + 8 warp + g (zero past the rows)
+      float m = fabsf(v[jn][c]);
+      m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 4));
+      m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 8));
+      m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 16));
+      if (g == 0) x.part[warp * kToks + jn * 8 + 2 * t + c] = m;
+    }
+  consumers_sync();
+  if (tid < kToks) {
+    float m = 0.f;
+    if (tid < NT)
+#pragma unroll
+      for (int w = 0; w < kConsumers / 32; ++w) m = fmaxf(m, x.part[w * kToks + tid]);
+    x.mine[tid] = m;
+    if (x.k > 0) mbar_wait_cluster(x.empty, unsigned((x.k - 1) & 1));  // the other has read our last maxima
+    st_cluster(smem_addr(x.peer + tid), other, m);
+    mbar_arrive_release_in(x.full, other);
+  }
+  consumers_sync();  // (x.mine complete)
+  mbar_wait_cluster(x.full, unsigned(x.k & 1));
+  const int64_t o = p.n0 + 8 * warp + g, nblk = j.ldo / 128;
+#pragma unroll
+  for (int jn = 0; jn < NV; ++jn)
+#pragma unroll
+    for (int c = 0; c < 2; ++c) {
+      const int tok = jn * 8 + 2 * t + c;
+      float sc = __fmul_rn(fmaxf(fmaxf(x.mine[tok], x.peer[tok]), 1e-4f), 1.f / 448.f);
+      if (j.ue8m0) sc = exp2f(ceilf(log2f(sc)));
+      if (tok >= p.Mv) continue;
+      if (o < p.N)
+        j.o_q[(p.orow + tok) * j.ldo + o] =
+            uint8_t(__nv_cvt_float_to_fp8(__fdiv_rn(v[jn][c], sc), __NV_SATFINITE, __NV_E4M3));
+      if (other == 1 && tid < 32 && g == 0) j.o_qs[(p.orow + tok) * nblk + p.n0 / 128] = sc;  // (block 0, warp 0)
+    }
+  consumers_sync();  // every consumer has read x.peer
+  if (tid == 0) mbar_arrive_release_in(x.empty, other);
+  ++x.k;
+}
+
 // A consumer warpgroup's share of one pair: the K loop, then the epilogue.
 template <int NT, bool BF>
-__device__ void consume(const TcJob& j, const Work& p, int& it, uint8_t* smem, uint32_t full, uint32_t empty) {
+__device__ void consume(const TcJob& j, const Work& p, int& it, uint8_t* smem, uint32_t full, uint32_t empty,
+                        Xchg& x) {
   constexpr int NA = NT / 2;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, q = warp >> 2, g = lane >> 2, t = lane & 3;
   float d[NA];
@@ -313,6 +411,12 @@ __device__ void consume(const TcJob& j, const Work& p, int& it, uint8_t* smem, u
   if constexpr (BF) k_loop_bf16<NT>(p, it, smem, full, empty, d);
   else k_loop_e4m3<NT>(j, p, it, smem, full, empty, d);
   const int r = q * 64 + (warp & 3) * 16 + g;  // tile row of accumulators i with !(i & 2)
+  if constexpr (!BF) {
+    if (j.o_q && j.swiglu) {
+      quant_out<NT>(j, p, d, x);
+      return;
+    }
+  }
   if (j.swiglu) {  // output column n0 + (r / 16) * 8 + g: silu(w1 row) * (w3 row), float32 (bf16: bf16)
     const int64_t o = p.n0 + (r >> 4) * 8 + g;
     if (o >= p.N) return;
@@ -350,9 +454,14 @@ __global__ void __launch_bounds__(kThreads, 1) moe_persist_kernel(TcJob j, const
   extern __shared__ __align__(128) unsigned char smem_raw[];
   uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
   const uint32_t full = smem_addr(smem + kStages * kStageB), empty = full + 8 * kStages;
+  Xchg x;
+  x.full = empty + 8 * kStages, x.empty = x.full + 8;
+  x.part = reinterpret_cast<float*>(smem + kStages * kStageB + 2 * kStages * 8 + 16);
+  x.mine = x.part + 8 * kToks, x.peer = x.mine + kToks;
   if (threadIdx.x == 0) {
     for (int s = 0; s < kStages; ++s)
       mbar_init(full + 8 * s, kProducers + 1), mbar_init(empty + 8 * s, 2 * kConsumers / 32);
+    mbar_init(x.full, kToks), mbar_init(x.empty, 1);
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
   }
   cluster_sync();  // both blocks' barriers exist before either block's TMA or arrivals reach them
@@ -370,10 +479,10 @@ __global__ void __launch_bounds__(kThreads, 1) moe_persist_kernel(TcJob j, const
       if (!pr.run) continue;
       const Work p = work_of<BF>(j, pr);
       switch ((p.Mv + 31) / 32) {
-        case 1: consume<32, BF>(j, p, it, smem, full, empty); break;
-        case 2: consume<64, BF>(j, p, it, smem, full, empty); break;
-        case 3: consume<96, BF>(j, p, it, smem, full, empty); break;
-        default: consume<128, BF>(j, p, it, smem, full, empty); break;
+        case 1: consume<32, BF>(j, p, it, smem, full, empty, x); break;
+        case 2: consume<64, BF>(j, p, it, smem, full, empty, x); break;
+        case 3: consume<96, BF>(j, p, it, smem, full, empty, x); break;
+        default: consume<128, BF>(j, p, it, smem, full, empty, x); break;
       }
     }
   }
@@ -461,9 +570,11 @@ void moe_persist_gemm(const Launch& L, const TcJob& j, int64_t grid_m, int64_t m
   DSV3_CHECK(j.tmaps, "moe_persist_gemm: the experts' tensor maps (moe_persist_tmaps)");
   const bool bf = !j.a_s;  // bf16 weights and tokens (fast mode), else FP8 GEMM mode's e4m3
   DSV3_CHECK(j.grouped && j.swap && j.fp8 == !bf && !j.a_lo && !j.a_idx && j.M > 0 && j.lda % 16 == 0 &&
-                 j.splits == 1 && !j.w_pair.w && (!j.swiglu || j.o_f32 == !bf) && j.tm == kToks,
+                 j.splits == 1 && !j.w_pair.w && (!j.swiglu || (bf ? !j.o_f32 && !j.o_q : j.o_f32 != !!j.o_q)) &&
+                 (!j.o_q || (j.swiglu && j.o_qs && j.ldo % 128 == 0)) && j.tm == kToks,
              "moe_persist_gemm: grouped stages with swapped operands (FP8 GEMM mode's e4m3 or fast mode's bf16), "
-             "pair-ordered tokens (M rows), 128-token tiles, SwiGLU output in float32 (bf16: bf16)");
+             "pair-ordered tokens (M rows), 128-token tiles, SwiGLU output in float32 or quantised in 128-column "
+             "blocks (bf16: bf16)");
   // The tokens [M pair rows, lda] in 32-row boxes of 128 bytes (rows past M read as zeros).
   CUtensorMap tok;
   const cuuint64_t dims[2] = {cuuint64_t(j.lda), cuuint64_t(j.M)}, strides[1] = {cuuint64_t(j.lda * (bf ? 2 : 1))};
